@@ -1,0 +1,52 @@
+"""Bronze: every Kafka record exactly as received, with its Kafka coordinates.
+
+Nothing is parsed away: raw key and value bytes, topic / partition / offset / Kafka timestamp,
+headers, and the time bronze ingested it. Malformed payloads are kept byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+
+from lakehouse.delta_io import ensure_table
+from lakehouse.kafka_source import ARROW_SCHEMA as KAFKA_ARROW
+from lakehouse.settings import Settings
+from lakehouse.streams import query_id, trigger_kwargs
+
+TABLE = "bronze"
+SCHEMA = pa.schema(list(KAFKA_ARROW) + [pa.field("ingest_time", pa.timestamp("us", tz="UTC"))])
+
+
+def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | None = None) -> DataFrame:
+    return (
+        spark.readStream.format("iotlake_kafka")
+        .option("bootstrap", settings.kafka_bootstrap)
+        .option("topic", settings.kafka.topic)
+        .option("max_offsets_per_trigger", str(max_offsets or settings.stream.max_offsets_per_trigger))
+        .option("client_config", json.dumps(settings.kafka.client_config))
+        .load()
+    )
+
+
+def bronze_frame(kafka: DataFrame) -> DataFrame:
+    return kafka.withColumn("ingest_time", F.current_timestamp())
+
+
+def start(spark: SparkSession, settings: Settings, trigger: str = "live",
+          max_offsets: int | None = None) -> StreamingQuery:
+    path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
+    ensure_table(path, SCHEMA)
+    return (
+        bronze_frame(kafka_stream(spark, settings, max_offsets)).writeStream.format("iotlake_delta")
+        .queryName(TABLE)
+        .option("path", path)
+        .option("app_id", query_id(ckpt))
+        .option("checkpointLocation", ckpt)
+        .trigger(**trigger_kwargs(settings, trigger))
+        .start()
+    )

@@ -1,0 +1,1 @@
+"""gold layer of iotlake."""

@@ -1,0 +1,1 @@
+"""Shared runtime of iotlake: settings, Spark session, connectors, embedded services, CLI."""

@@ -1,0 +1,185 @@
+"""Exactly-once Delta commits with delta-rs.
+
+Every streaming micro-batch commits with a Delta *app transaction* (app id = streaming query id,
+version = batch id). ``DeltaTable.transaction_version(app_id)`` tells what was already committed,
+so a batch Spark replays after a crash is skipped instead of written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.transaction import AddAction
+
+log = logging.getLogger(__name__)
+
+_STATS_TYPES = (pa.types.is_integer, pa.types.is_floating, pa.types.is_timestamp, pa.types.is_string,
+                pa.types.is_date, pa.types.is_boolean)
+
+
+def utc_arrow_schema(schema: pa.Schema) -> pa.Schema:
+    """Delta timestamps are UTC microseconds; normalise Spark's session-zone timestamps."""
+
+    def fix(t: pa.DataType) -> pa.DataType:
+        if pa.types.is_timestamp(t):
+            return pa.timestamp("us", tz="UTC")
+        if pa.types.is_struct(t):
+            return pa.struct([pa.field(f.name, fix(f.type), f.nullable) for f in t])
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            return pa.list_(fix(t.value_type))
+        if pa.types.is_map(t):
+            return pa.map_(fix(t.key_type), fix(t.item_type))
+        return t
+
+    return pa.schema([pa.field(f.name, fix(f.type), True) for f in schema])
+
+
+def ensure_table(path: str, schema: pa.Schema, partition_by: list[str] | None = None) -> DeltaTable:
+    """Open the table, creating it empty with ``schema`` if it does not exist yet."""
+    try:
+        return DeltaTable(path)
+    except TableNotFoundError:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        try:
+            return DeltaTable.create(path, utc_arrow_schema(schema), partition_by=partition_by,
+                                     configuration={"delta.appendOnly": "false"})
+        except Exception:  # another writer created it first
+            return DeltaTable(path)
+
+
+def committed_version(dt: DeltaTable, app_id: str) -> int:
+    v = dt.transaction_version(app_id)
+    return -1 if v is None else v
+
+
+def _stats(table: pa.Table) -> str:
+    mins, maxs, nulls = {}, {}, {}
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        nulls[name] = col.null_count
+        if not any(check(col.type) for check in _STATS_TYPES) or col.null_count == len(col):
+            continue
+        mm = pc.min_max(col)
+        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if pa.types.is_timestamp(col.type):
+            lo, hi = lo.isoformat().replace("+00:00", "Z"), hi.isoformat().replace("+00:00", "Z")
+        elif pa.types.is_date(col.type):
+            lo, hi = lo.isoformat(), hi.isoformat()
+        elif pa.types.is_floating(col.type) and (lo != lo or hi != hi):  # NaN present
+            continue
+        elif pa.types.is_string(col.type):
+            lo, hi = lo[:32], None if len(hi) > 32 else hi
+            if hi is None:
+                continue
+        mins[name], maxs[name] = lo, hi
+    return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs,
+                       "nullCount": nulls}, default=str)
+
+
+@dataclass
+class WrittenFile:
+    path: str  # relative to the table root
+    size: int
+    rows: int
+    stats: str
+
+    def action(self) -> AddAction:
+        return AddAction(self.path, self.size, {}, int(time.time() * 1000), True, self.stats)
+
+
+def write_parquet_file(table_path: str, data: pa.Table) -> WrittenFile:
+    """Write one data file into the table directory (not yet committed: invisible to readers)."""
+    name = f"part-{uuid.uuid4().hex}.snappy.parquet"
+    full = os.path.join(table_path, name)
+    pq.write_table(data, full, compression="snappy", write_statistics=True)
+    return WrittenFile(name, os.path.getsize(full), data.num_rows, _stats(data))
+
+
+def commit_files(table_path: str, files: list[WrittenFile], app_id: str, batch_id: int,
+                 retries: int = 20) -> bool:
+    """Commit files written by ``write_parquet_file`` once for (app_id, batch_id).
+
+    Returns False (and removes the files) when that batch is already committed.
+    """
+    for attempt in range(retries):
+        dt = DeltaTable(table_path)
+        if committed_version(dt, app_id) >= batch_id:
+            for f in files:
+                Path(table_path, f.path).unlink(missing_ok=True)
+            log.info("batch %s of %s already committed to %s; skipped", batch_id, app_id, table_path)
+            return False
+        try:
+            dt.create_write_transaction(
+                [f.action() for f in files], mode="append", schema=dt.schema(),
+                commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]),
+            )
+            return True
+        except CommitFailedError:
+            if attempt == retries - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    return False
+
+
+def append_arrow(table_path: str, data: pa.Table | Iterable[pa.RecordBatch], app_id: str,
+                 batch_id: int, schema: pa.Schema | None = None) -> bool:
+    """Driver-side exactly-once append (used by foreachBatch stages)."""
+    if not isinstance(data, pa.Table):
+        data = pa.Table.from_batches(list(data), schema=schema)
+    target = utc_arrow_schema(data.schema)
+    data = data.cast(target)
+    dt = ensure_table(table_path, target)
+    if committed_version(dt, app_id) >= batch_id:
+        return False
+    write_deltalake(
+        dt, data, mode="append", schema_mode="merge",
+        commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]),
+    )
+    return True
+
+
+@dataclass
+class MergeSpec:
+    """Upsert keyed by ``keys``: matched rows are updated, others inserted."""
+
+    keys: list[str]
+    update_columns: list[str] = field(default_factory=list)
+
+
+def merge_arrow(table_path: str, data: pa.Table, spec: MergeSpec, app_id: str, batch_id: int) -> bool:
+    """Exactly-once MERGE (upsert) of a micro-batch; a replayed batch is skipped."""
+    target = utc_arrow_schema(data.schema)
+    data = data.cast(target)
+    dt = ensure_table(table_path, target)
+    if committed_version(dt, app_id) >= batch_id:
+        return False
+    predicate = " AND ".join(f"t.{k} = s.{k}" for k in spec.keys)
+    cols = spec.update_columns or [c for c in data.column_names if c not in spec.keys]
+    (
+        dt.merge(data, predicate, source_alias="s", target_alias="t",
+                 commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]))
+        .when_matched_update({c: f"s.{c}" for c in cols})
+        .when_not_matched_insert_all()
+        .execute()
+    )
+    return True
+
+
+def read_table(table_path: str, version: int | None = None, columns: list[str] | None = None) -> pa.Table:
+    dt = DeltaTable(table_path, version=version) if version is not None else DeltaTable(table_path)
+    return dt.to_pyarrow_table(columns=columns)
+
+
+def table_exists(table_path: str) -> bool:
+    return Path(table_path, "_delta_log").is_dir()

@@ -1,0 +1,213 @@
+"""One typed settings object for the whole platform.
+
+Read from a TOML file (``iotlake.toml`` in the working directory, or ``IOTLAKE_CONFIG``), then
+overridden by environment variables ``IOTLAKE_<SECTION>__<KEY>`` (or ``IOTLAKE_<KEY>`` for
+top-level keys). Unknown keys and bad values fail fast with a message naming the key, so a typo
+never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "IOTLAKE_"
+DEFAULT_FILE = "iotlake.toml"
+
+
+class SettingsError(ValueError):
+    """Configuration is invalid; the message says which key and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class KafkaSettings(_Section):
+    """Kafka cluster. An empty ``bootstrap`` means: start the embedded Tansu broker."""
+
+    bootstrap: str = ""
+    embedded_port: int = Field(19092, ge=1, le=65535)
+    topic: str = "telemetry"
+    dead_letter_topic: str = "telemetry-dlq"
+    partitions: int = Field(4, ge=1, le=1024)
+    # Extra librdkafka properties (e.g. security.protocol, sasl.*), passed through verbatim.
+    client_config: dict[str, str] = Field(default_factory=dict)
+
+
+class MqttSettings(_Section):
+    """MQTT broker. An empty ``host`` means: start the embedded Mosquitto."""
+
+    host: str = ""
+    port: int = Field(0, ge=0, le=65535)
+    embedded_port: int = Field(11883, ge=1, le=65535)
+    topic_filter: str = "devices/+/telemetry"
+    qos: int = Field(1, ge=0, le=2)
+    client_id: str = "iotlake-bridge"
+    username: str = ""
+    password: str = Field("", repr=False)
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
+class BridgeSettings(_Section):
+    max_inflight: int = Field(10_000, ge=1)
+    max_payload_bytes: int = Field(256 * 1024, ge=1)
+    # MQTT topic pattern -> Kafka topic; empty means everything goes to kafka.topic.
+    topic_map: dict[str, str] = Field(default_factory=dict)
+    metrics_port: int = Field(0, ge=0, le=65535)
+
+
+class SparkSettings(_Section):
+    master: str = "local[*]"
+    shuffle_partitions: int = Field(4, ge=1)
+    driver_memory: str = "2g"
+    ui_enabled: bool = False
+    conf: dict[str, str] = Field(default_factory=dict)
+
+
+class StreamSettings(_Section):
+    trigger_seconds: float = Field(1.0, ge=0)
+    max_offsets_per_trigger: int = Field(200_000, ge=1)
+    max_rows_per_trigger: int = Field(500_000, ge=1)
+    watermark_seconds: int = Field(600, ge=0)
+    window_seconds: int = Field(60, ge=1)
+
+    @field_validator("window_seconds")
+    @classmethod
+    def _divides_minute(cls, v: int) -> int:
+        if v < 60 and 60 % v:
+            raise ValueError("must divide 60 when shorter than a minute")
+        return v
+
+
+class Settings(_Section):
+    data_root: str = "./data"
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    mqtt: MqttSettings = Field(default_factory=MqttSettings)
+    bridge: BridgeSettings = Field(default_factory=BridgeSettings)
+    spark: SparkSettings = Field(default_factory=SparkSettings)
+    stream: StreamSettings = Field(default_factory=StreamSettings)
+
+    # ---- derived locations -------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return Path(self.data_root).expanduser().resolve()
+
+    def table_path(self, name: str) -> str:
+        """Location of a Delta table by its logical name (``bronze``, ``silver``, ...)."""
+        if not name.replace("_", "").isalnum():
+            raise SettingsError(f"table name {name!r} must be letters, digits and '_'")
+        return str(self.root / "tables" / name)
+
+    def checkpoint_path(self, query: str) -> str:
+        return str(self.root / "checkpoints" / query)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return self.kafka.bootstrap or f"127.0.0.1:{self.kafka.embedded_port}"
+
+    @property
+    def mqtt_endpoint(self) -> tuple[str, int]:
+        if self.mqtt.host:
+            return self.mqtt.host, self.mqtt.port or 1883
+        return "127.0.0.1", self.mqtt.embedded_port
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings as a dict safe to log: secrets replaced."""
+        d = self.model_dump()
+        if d["mqtt"]["password"]:
+            d["mqtt"]["password"] = "***"
+        d["kafka"]["client_config"] = {
+            k: ("***" if "password" in k or "secret" in k else v)
+            for k, v in d["kafka"]["client_config"].items()
+        }
+        return d
+
+
+def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
+    node = tree
+    for part in dotted[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SettingsError(f"{'.'.join(dotted)}: cannot override inside a non-table value")
+    node[dotted[-1]] = value
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "IOTLAKE_CONFIG":
+            continue
+        dotted = key[len(ENV_PREFIX) :].lower().split("__")
+        value: Any = raw
+        if raw[:1] in "{[":  # allow JSON for dict/list values
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise SettingsError(f"{key}: not valid JSON ({e})") from e
+        _set_path(out, dotted, value)
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def _secret_from_file(data: dict[str, Any]) -> None:
+    """``mqtt.password_file`` lets secrets live in a file (e.g. a mounted secret)."""
+    mqtt = data.get("mqtt", {})
+    pf = mqtt.pop("password_file", None)
+    if pf:
+        try:
+            mqtt["password"] = Path(pf).read_text().strip()
+        except OSError as e:
+            raise SettingsError(f"mqtt.password_file: cannot read {pf!r}: {e.strerror}") from e
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    environ: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build settings from file, then env, then keyword overrides (nested dicts allowed)."""
+    environ = dict(os.environ if environ is None else environ)
+    file = Path(path or environ.get("IOTLAKE_CONFIG") or DEFAULT_FILE)
+    data: dict[str, Any] = {}
+    if file.exists():
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"{file}: invalid TOML: {e}") from e
+    elif path is not None or "IOTLAKE_CONFIG" in environ:
+        raise SettingsError(f"settings file {file} does not exist (set IOTLAKE_CONFIG or create it)")
+    _merge(data, _env_overrides(environ))
+    _merge(data, overrides)
+    _secret_from_file(data)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                problems.append(f"unknown setting '{key}' (check the spelling; see iotlake.toml.example)")
+            else:
+                shown = "***" if "password" in key else repr(err.get("input"))
+                problems.append(f"setting '{key}': {err['msg']} (got {shown})")
+        raise SettingsError("invalid configuration:\n  " + "\n  ".join(problems)) from None

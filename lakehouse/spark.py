@@ -1,0 +1,48 @@
+"""The Spark session, configured from settings, with iotlake's data sources registered."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pyspark.sql import SparkSession
+
+from lakehouse.settings import Settings
+
+
+def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession:
+    """Create (or reuse) the session. Workers run this venv's Python so they find pyarrow."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    b = (
+        SparkSession.builder.appName(app_name)
+        .master(settings.spark.master)
+        .config("spark.driver.memory", settings.spark.driver_memory)
+        .config("spark.sql.shuffle.partitions", str(settings.spark.shuffle_partitions))
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.enabled", str(settings.spark.ui_enabled).lower())
+        .config("spark.sql.streaming.stateStore.providerClass",
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.streaming.noDataMicroBatches.enabled", "true")
+        .config("spark.python.worker.reuse", "true")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
+    )
+    for k, v in settings.spark.conf.items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    register_sources(spark)
+    return spark
+
+
+def register_sources(spark: SparkSession) -> None:
+    from lakehouse.delta_sink import DeltaSinkDataSource
+    from lakehouse.delta_source import DeltaSourceDataSource
+    from lakehouse.kafka_source import KafkaDataSource
+
+    for ds in (KafkaDataSource, DeltaSinkDataSource, DeltaSourceDataSource):
+        spark.dataSource.register(ds)

@@ -1,0 +1,1 @@
+"""silver layer of iotlake."""

@@ -1,0 +1,80 @@
+"""Shared fixtures: real brokers on loopback (own ports) and one Spark session per test run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from lakehouse.services import embedded_services
+from lakehouse.settings import Settings, load_settings
+
+# Test ports differ from `make run`'s defaults so tests and a running demo can coexist.
+TEST_KAFKA_PORT = int(os.environ.get("IOTLAKE_TEST_KAFKA_PORT", "29092"))
+TEST_MQTT_PORT = int(os.environ.get("IOTLAKE_TEST_MQTT_PORT", "21883"))
+
+
+@pytest.fixture(scope="session")
+def base_dir() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="iotlake-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def services_settings(base_dir: Path) -> Settings:
+    """Settings pointing at the session's embedded brokers (data root is per test)."""
+    return load_settings(
+        environ={},
+        data_root=str(base_dir / "services"),
+        kafka={"embedded_port": TEST_KAFKA_PORT},
+        mqtt={"embedded_port": TEST_MQTT_PORT},
+    )
+
+
+@pytest.fixture(scope="session")
+def brokers(services_settings: Settings):
+    """Tansu + Mosquitto, started once for the whole test session."""
+    with embedded_services(services_settings) as started:
+        yield started
+
+
+_topic_seq = iter(range(1, 1_000_000))
+
+
+@pytest.fixture
+def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
+    """Per-test settings: own data root and own Kafka topics on the shared brokers."""
+    n = next(_topic_seq)
+    s = load_settings(
+        environ={},
+        data_root=str(tmp_path / "lake"),
+        kafka={
+            "bootstrap": services_settings.kafka_bootstrap,
+            "topic": f"telemetry-{n}",
+            "dead_letter_topic": f"telemetry-dlq-{n}",
+            "partitions": 2,
+        },
+        mqtt={"host": "127.0.0.1", "port": TEST_MQTT_PORT, "client_id": f"iotlake-bridge-{n}",
+              "topic_filter": f"t{n}/devices/+/telemetry"},
+        stream={"trigger_seconds": 0.5},
+        spark={"master": "local[2]", "shuffle_partitions": 2},
+    )
+    from lakehouse.services import ensure_topics
+
+    ensure_topics(s)
+    return s
+
+
+@pytest.fixture(scope="session")
+def spark(base_dir: Path):
+    from lakehouse.spark import spark_session
+
+    s = load_settings(environ={}, data_root=str(base_dir / "spark"),
+                      spark={"master": "local[2]", "shuffle_partitions": 2})
+    session = spark_session(s, app_name="iotlake-tests")
+    yield session
+    session.stop()
