@@ -1,0 +1,56 @@
+"""The ``iotlake`` command line. Each subcommand lives in the module that does the work and
+registers itself through a ``register(subparsers)`` function listed in ``COMMAND_MODULES``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from lakehouse.settings import SettingsError, load_settings
+
+#: Modules that contribute subcommands (each has ``register(subparsers) -> None``; the
+#: parser it adds sets ``func(args, settings) -> int``).
+COMMAND_MODULES = [
+    "lakehouse.run",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iotlake", description="IoT device-monitoring lakehouse")
+    p.add_argument("--config", help="settings file (default: ./iotlake.toml or $IOTLAKE_CONFIG)")
+    p.add_argument("--data-root", help="override data_root from the settings")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("py4j", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        overrides = {"data_root": args.data_root} if args.data_root else {}
+        settings = load_settings(args.config, **overrides)
+    except SettingsError as e:
+        print(f"iotlake: {e}", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args, settings) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (SettingsError, ValueError) as e:
+        print(f"iotlake: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
