@@ -14,6 +14,10 @@ from lakehouse.settings import SettingsError, load_settings
 #: parser it adds sets ``func(args, settings) -> int``).
 COMMAND_MODULES = [
     "lakehouse.run",
+    "lakehouse.maintenance_cli",
+    "silver.cli",
+    "lakehouse.query_cli",
+    "dashboard.cli",
 ]
 
 

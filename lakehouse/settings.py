@@ -62,6 +62,16 @@ class BridgeSettings(_Section):
     # MQTT topic pattern -> Kafka topic; empty means everything goes to kafka.topic.
     topic_map: dict[str, str] = Field(default_factory=dict)
     metrics_port: int = Field(0, ge=0, le=65535)
+    # >1: MQTT v5 shared subscription ``$share/<share_group>/<filter>``, one client id each.
+    instances: int = Field(1, ge=1, le=64)
+    share_group: str = Field("iotlake", pattern=r"^[^/+#]+$")
+    # How long the broker keeps the session (and queues QoS-1 messages) while the bridge is down.
+    session_expiry_seconds: int = Field(86_400, ge=0)
+    keepalive_seconds: int = Field(30, ge=5, le=3600)
+    log_interval_seconds: float = Field(30.0, ge=0)
+    shutdown_timeout_seconds: float = Field(10.0, ge=0)
+    linger_ms: int = Field(5, ge=0)
+    compression: str = Field("lz4", pattern=r"^(none|lz4|zstd|snappy|gzip)$")
 
 
 class SparkSettings(_Section):
@@ -87,6 +97,15 @@ class StreamSettings(_Section):
         return v
 
 
+class MaintenanceSettings(_Section):
+    """Table maintenance. Retention must cover the longest time-travel reprocessing window and
+    the longest lag of a stream reading a table, or vacuum deletes files they still need."""
+
+    vacuum_retention_hours: int = Field(168, ge=168)
+    target_file_size: int = Field(134_217_728, ge=1 << 20)
+    zorder: bool = True
+
+
 class Settings(_Section):
     data_root: str = "./data"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -94,6 +113,7 @@ class Settings(_Section):
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
     spark: SparkSettings = Field(default_factory=SparkSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
 
     # ---- derived locations -------------------------------------------------------------
     @property

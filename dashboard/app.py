@@ -1,0 +1,341 @@
+"""The dashboard's JSON API: reads Delta tables directly with delta-rs (no Spark).
+
+Every answer is aggregated and paged on the server, so the page stays fast with hundreds of
+thousands of devices. Opened tables are cached and reloaded only when a new Delta version is
+committed; answers are memoised per table version, so a refreshing page costs a version check.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import DeltaTable
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from lakehouse.settings import Settings
+from lakehouse.tables import METRICS
+
+STATIC = Path(__file__).parent / "static"
+MAX_POINTS = 1500  # raw points per metric sent to the browser (anomalies are always kept)
+
+
+@dataclass
+class Snapshot:
+    """One version of a table: its lazy Arrow dataset (file stats let filters skip files)."""
+
+    version: int
+    dt: DeltaTable
+    dataset: ds.Dataset
+
+    @cached_property
+    def table(self) -> pa.Table:
+        """Whole table in memory; only for small tables such as device_current."""
+        return self.dataset.to_table()
+
+    def max_of(self, column: str) -> Any:
+        """Largest value of a column from the Delta log's file statistics (no data read)."""
+        stats = pa.table(self.dt.get_add_actions(flatten=True))
+        name = f"max.{column}"
+        return pc.max(stats[name]).as_py() if name in stats.column_names else None
+
+
+@dataclass
+class _Entry:
+    snap: Snapshot
+    checked: float = field(default_factory=time.monotonic)
+
+
+class TableCache:
+    """Open DeltaTables by logical name; re-check the log at most every ``check_every`` s."""
+
+    def __init__(self, settings: Settings, check_every: float = 1.0) -> None:
+        self.settings, self.check_every = settings, check_every
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Snapshot | None:
+        with self._lock:
+            entry, now = self._entries.get(name), time.monotonic()
+            if entry is not None and now - entry.checked < self.check_every:
+                return entry.snap
+            if entry is None:
+                path = self.settings.table_path(name)
+                if not (Path(path) / "_delta_log").is_dir():
+                    return None
+                dt = DeltaTable(path)
+            else:
+                dt = entry.snap.dt
+                dt.update_incremental()
+                if dt.version() == entry.snap.version:
+                    entry.checked = now
+                    return entry.snap
+            snap = Snapshot(dt.version(), dt, dt.to_pyarrow_dataset())
+            self._entries[name] = _Entry(snap, now)
+            return snap
+
+    def versions(self, *names: str) -> tuple[int, ...]:
+        return tuple(-1 if (s := self.get(n)) is None else s.version for n in names)
+
+
+class Memo:
+    """Small LRU of answers keyed by (endpoint, params, table versions)."""
+
+    def __init__(self, size: int = 512) -> None:
+        self._d: OrderedDict[tuple, Any] = OrderedDict()
+        self._size, self._lock = size, threading.Lock()
+
+    def __call__(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._d:
+                self._d.move_to_end(key)
+                return self._d[key]
+        value = compute()
+        with self._lock:
+            self._d[key] = value
+            while len(self._d) > self._size:
+                self._d.popitem(last=False)
+        return value
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, datetime):
+        return v.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(v, float) and v != v:  # NaN is not JSON
+        return None
+    return v
+
+
+def records(table: pa.Table) -> list[dict[str, Any]]:
+    return [{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()]
+
+
+def epoch_ms(col: pa.ChunkedArray | pa.Array) -> list[int]:
+    return pc.cast(pc.cast(col, pa.timestamp("ms", tz="UTC")), pa.int64()).to_pylist()
+
+
+def floats(col: pa.ChunkedArray | pa.Array) -> list[float | None]:
+    return [None if v is None or v != v else round(v, 4) for v in col.to_pylist()]
+
+
+class Lake:
+    """The dashboard's read model: each method answers one endpoint from the Delta tables."""
+
+    def __init__(self, settings: Settings, check_every: float = 1.0) -> None:
+        self.tables = TableCache(settings, check_every)
+        self.memo = Memo()
+        self._db = duckdb.connect(config={"threads": 2})
+        self._db.execute("SET GLOBAL TimeZone = 'UTC'")
+
+    def sql(self, query: str, **tables: Any) -> pa.Table:
+        """DuckDB over Arrow data; a cursor per call because requests run on several threads."""
+        cur = self._db.cursor()
+        try:
+            for name, data in tables.items():
+                cur.register(name, data)
+            return cur.sql(query).to_arrow_table()
+        finally:
+            cur.close()
+
+    def _snap(self, name: str) -> Snapshot:
+        snap = self.tables.get(name)
+        if snap is None:
+            raise HTTPException(503, f"table '{name}' has no data yet")
+        return snap
+
+    def fleet(self) -> dict[str, Any]:
+        snap = self._snap("device_current")
+
+        def compute() -> dict[str, Any]:
+            counts = snap.table["status"].value_counts().to_pylist()
+            by_status = {c["values"]: c["counts"] for c in sorted(counts, key=lambda c: str(c["values"]))}
+            return {"total": snap.table.num_rows, "by_status": by_status,
+                    "updated_at": _json_value(pc.max(snap.table["updated_at"]).as_py()),
+                    "version": snap.version}
+
+        return self.memo(("fleet", snap.version), compute)
+
+    def devices(self, q: str, status: str, page: int, size: int) -> dict[str, Any]:
+        snap = self._snap("device_current")
+
+        def compute() -> dict[str, Any]:
+            t = snap.table
+            mask = None
+            if q:
+                mask = pc.match_substring(t["device_id"], q, ignore_case=True)
+            if status:
+                m = pc.equal(t["status"], status)
+                mask = m if mask is None else pc.and_(mask, m)
+            if mask is not None:
+                t = t.filter(mask)
+            t = t.sort_by("device_id")
+            return {"total": t.num_rows, "page": page, "size": size,
+                    "items": records(t.slice((page - 1) * size, size))}
+
+        return self.memo(("devices", q, status, page, size, snap.version), compute)
+
+    def device(self, device_id: str, hours: float) -> dict[str, Any]:
+        names = ("device_current", "gold_metrics_1m", "readings_scored", "anomalies")
+        key = ("device", device_id, hours, self.tables.versions(*names))
+        return self.memo(key, lambda: self._device(device_id, hours))
+
+    def _device(self, device_id: str, hours: float) -> dict[str, Any]:
+        cur = self._snap("device_current").table
+        row = cur.filter(pc.equal(cur["device_id"], device_id))
+        if row.num_rows == 0:
+            raise HTTPException(404, f"unknown device '{device_id}'")
+        info = records(row)[0]
+        anchor = row["last_seen"][0].as_py() or datetime.now(UTC)
+        since = pa.scalar(anchor - timedelta(hours=hours), pa.timestamp("us", tz="UTC"))
+        dev = pc.field("device_id") == device_id
+
+        def read(name: str, time_col: str, cols: list[str]) -> pa.Table | None:
+            snap = self.tables.get(name)
+            if snap is None:
+                return None
+            t = snap.dataset.to_table(columns=cols, filter=dev & (pc.field(time_col) >= since))
+            return t.sort_by(time_col)
+
+        series: dict[str, Any] = {}
+        gold = read("gold_metrics_1m", "window_start", ["metric", "window_start", "mean", "min", "max"])
+        points: dict[str, Any] = {}
+        raw = read("readings_scored", "event_time", ["metric", "event_time", "value"])
+        for m in METRICS:
+            if gold is not None:
+                g = gold.filter(pc.equal(gold["metric"], m))
+                series[m] = {"t": epoch_ms(g["window_start"]), "mean": floats(g["mean"]),
+                             "min": floats(g["min"]), "max": floats(g["max"])}
+            if raw is not None:
+                r = raw.filter(pc.equal(raw["metric"], m))
+                if r.num_rows > MAX_POINTS:  # thin evenly; the 1-minute windows keep the shape
+                    r = r.take(pa.array(range(0, r.num_rows, -(-r.num_rows // MAX_POINTS))))
+                points[m] = {"t": epoch_ms(r["event_time"]), "v": floats(r["value"])}
+        an = read("anomalies", "event_time", ["event_id", "metric", "event_time", "value", "score", "baseline"])
+        anomalies = [] if an is None else records(an)
+        if an is not None:
+            for a, ms in zip(anomalies, epoch_ms(an["event_time"]), strict=True):
+                a["t"] = ms
+        return {"device": info, "hours": hours, "since": _json_value(since.as_py()),
+                "series": series, "points": points, "anomalies": anomalies}
+
+    def events(self, limit: int) -> dict[str, Any]:
+        names = ("device_status_history", "anomalies")
+
+        def compute() -> dict[str, Any]:
+            out: dict[str, Any] = {"status_changes": [], "anomalies": []}
+            if (h := self.tables.get("device_status_history")) is not None:
+                out["status_changes"] = records(self.sql(
+                    f"SELECT * FROM h WHERE previous_status IS NOT NULL "
+                    f"ORDER BY changed_at DESC, device_id LIMIT {limit}", h=h.dataset))
+            if (a := self.tables.get("anomalies")) is not None:
+                out["anomalies"] = records(self.sql(
+                    f"SELECT device_id, metric, event_time, value, score, baseline FROM a "
+                    f"ORDER BY event_time DESC, device_id LIMIT {limit}", a=a.dataset))
+            return out
+
+        return self.memo(("events", limit, self.tables.versions(*names)), compute)
+
+    def pipeline(self) -> dict[str, Any]:
+        names = ("pipeline_metrics", "quality_log")
+        return self.memo(("pipeline", self.tables.versions(*names)), self._pipeline)
+
+    def _pipeline(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"queries": [], "quality": []}
+        if (pm := self.tables.get("pipeline_metrics")) is not None and (hi := pm.max_of("timestamp")):
+            recent = pm.dataset.to_table(filter=pc.field("timestamp") >= hi - timedelta(minutes=15))
+            out["queries"] = records(self.sql("""
+                SELECT query_name, arg_max(batch_id, timestamp) AS batch_id,
+                       max(timestamp) AS last_batch_at,
+                       arg_max(input_rows_per_second, timestamp) AS input_rows_per_second,
+                       arg_max(processed_rows_per_second, timestamp) AS processed_rows_per_second,
+                       arg_max(batch_duration_ms, timestamp) AS batch_duration_ms,
+                       round(avg(batch_duration_ms)) AS avg_batch_duration_ms,
+                       arg_max(num_input_rows, timestamp) AS num_input_rows,
+                       arg_max(progress_json, timestamp) AS progress_json
+                FROM recent GROUP BY query_name ORDER BY query_name""", recent=recent))
+            for q in out["queries"]:
+                q["lag"] = _lag(q.pop("progress_json"))
+        if (ql := self.tables.get("quality_log")) is not None and (hi := ql.max_of("logged_at")):
+            since = hi - timedelta(hours=24)
+            out["quality"] = records(self.sql(f"""
+                SELECT expectation, any_value("column") AS "column", sum(evaluated) AS evaluated,
+                       sum(failed) AS failed, sum(failed) / nullif(sum(evaluated), 0) AS quarantine_rate
+                FROM ql WHERE kind = 'row' AND logged_at >= TIMESTAMPTZ '{since.isoformat()}'
+                GROUP BY expectation ORDER BY quarantine_rate DESC, expectation""", ql=ql.dataset))
+            out["quality_window_hours"] = 24
+        return out
+
+
+def _lag(progress_json: str | None) -> int | None:
+    """Offsets behind the latest Kafka offset, when the source reported it in its progress."""
+    try:
+        sources = json.loads(progress_json or "{}").get("sources") or []
+        lags = [float(s["metrics"]["maxOffsetsBehindLatest"]) for s in sources
+                if "maxOffsetsBehindLatest" in (s.get("metrics") or {})]
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
+    return int(sum(lags)) if lags else None
+
+
+def create_app(settings: Settings, token: str | None = None, check_every: float = 1.0) -> FastAPI:
+    """Build the app; with a ``token`` every /api call needs ``Authorization: Bearer <token>``."""
+    lake = Lake(settings, check_every)
+    app = FastAPI(title="iotlake dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.lake = lake
+
+    def auth(request: Request) -> None:
+        if not token:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, "missing or wrong bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    guarded = [Depends(auth)]
+
+    @app.get("/api/fleet", dependencies=guarded)
+    def fleet() -> dict[str, Any]:
+        return lake.fleet()
+
+    @app.get("/api/devices", dependencies=guarded)
+    def devices(q: str = Query("", max_length=100), status: str = Query("", max_length=40),
+                page: int = Query(1, ge=1), size: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
+        return lake.devices(q, status, page, size)
+
+    @app.get("/api/device/{device_id}", dependencies=guarded)
+    def device(device_id: str, hours: float = Query(6, gt=0, le=24 * 7)) -> dict[str, Any]:
+        return lake.device(device_id, hours)
+
+    @app.get("/api/events", dependencies=guarded)
+    def events(limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
+        return lake.events(limit)
+
+    @app.get("/api/pipeline", dependencies=guarded)
+    def pipeline() -> dict[str, Any]:
+        return lake.pipeline()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app

@@ -1,0 +1,391 @@
+"""MQTT -> Kafka bridge that loses nothing.
+
+A message is acknowledged to the MQTT broker only after Kafka confirmed it (paho manual acks,
+idempotent producer with ``acks=all``); until then the broker keeps it in our persistent
+session, so a crash or restart re-delivers instead of losing (duplicates are removed downstream
+by ``event_id``). Everything runs on one thread: paho's socket is driven by hand and the
+producer's delivery callbacks are served in the same loop, so acks need no locks, and reading
+simply stops while ``bridge.max_inflight`` messages are unacknowledged (backpressure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from confluent_kafka import KafkaError, KafkaException, Producer
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from ingest.bridge_metrics import BridgeCollector, LatencyHistogram, serve
+from ingest.simulator import mqtt_client
+from lakehouse.kafka_config import client_config
+from lakehouse.settings import Settings, SettingsError, load_settings
+
+log = logging.getLogger(__name__)
+
+#: Dead-lettered payloads are cut to this size only if they could not fit in a Kafka message.
+DLQ_MAX_VALUE = 900 * 1024
+RECEIVE_MAXIMUM_CAP = 65_535  # MQTT v5 Receive Maximum is 16-bit
+
+
+class _Entry:
+    """One received MQTT message until Kafka confirmed it and its ack went out."""
+
+    __slots__ = ("mid", "qos", "gen", "t0", "done", "topic", "payload", "headers", "dlq")
+
+    def __init__(self, mid: int, qos: int, gen: int, t0: float, topic: str, payload: bytes,
+                 headers: list[tuple[str, bytes]]) -> None:
+        self.mid, self.qos, self.gen, self.t0 = mid, qos, gen, t0
+        self.topic, self.payload, self.headers = topic, payload, headers
+        self.done = False
+        self.dlq = False
+
+
+def device_index(topic_filter: str) -> int | None:
+    """Topic level holding the device id: the (last) ``+`` of the subscription filter."""
+    levels = topic_filter.split("/")
+    plus = [i for i, lv in enumerate(levels) if lv == "+"]
+    return plus[-1] if plus else None
+
+
+class Bridge:
+    """Moves MQTT messages to Kafka; ``run(stop)`` blocks until ``stop`` is set."""
+
+    def __init__(self, settings: Settings, bridge_id: str | None = None) -> None:
+        b = settings.bridge
+        if b.instances > 1 and not bridge_id:
+            raise SettingsError(
+                "bridge.instances > 1 needs a stable, distinct bridge id per instance "
+                "(python -m ingest.bridge --bridge-id NAME-i, or `iotlake bridge --instances K`)")
+        self.settings = settings
+        self.bridge_id = bridge_id or settings.mqtt.client_id
+        self._bid = self.bridge_id.encode()
+        self._max = b.max_inflight
+        self._max_payload = b.max_payload_bytes
+        self._topic_map = dict(b.topic_map)
+        self._routes: dict[str, str | None] = {}
+        self._default_topic = settings.kafka.topic
+        self._dlq_topic = settings.kafka.dead_letter_topic
+        self._dev_level = device_index(settings.mqtt.topic_filter)
+        flt = settings.mqtt.topic_filter
+        self.subscription = f"$share/{b.share_group}/{flt}" if b.instances > 1 else flt
+        self._pending: deque[_Entry] = deque()
+        self._retry: list[tuple[float, _Entry, str]] = []
+        self._gen = 0
+        self._connected = False
+        self._ever_connected = False
+        self._delay = 0.0
+        self._fatal: KafkaError | None = None
+        self.latency = LatencyHistogram()
+        #: Set once the broker confirmed the subscription (messages published before that
+        #: are only kept if an earlier session of this bridge id subscribed).
+        self.subscribed = threading.Event()
+        self._c = dict.fromkeys(("received", "delivered", "dead_lettered", "failed", "acked",
+                                 "reconnects"), 0)
+        self._producer = Producer(self._producer_config())
+        self._client = self._mqtt_client()
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _producer_config(self) -> dict[str, Any]:
+        b = self.settings.bridge
+        conf: dict[str, Any] = {
+            "client.id": self.bridge_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": b.linger_ms,
+            "compression.type": b.compression,
+            # Never give up on a message: while Kafka is down we stop acking MQTT instead.
+            "message.timeout.ms": 0,
+            "queue.buffering.max.messages": max(100_000, 2 * self._max),
+            "message.max.bytes": max(1_000_000, b.max_payload_bytes + 65_536),
+        }
+        conf.update(client_config(self.settings))  # bootstrap + SASL/SSL pass-through win
+        return conf
+
+    def _mqtt_client(self) -> mqtt.Client:
+        c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True)
+        c.max_inflight_messages_set(1000)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_message = self._on_message
+        c.on_subscribe = self._on_subscribe
+        return c
+
+    def _connect_properties(self) -> Properties:
+        p = Properties(PacketTypes.CONNECT)
+        p.SessionExpiryInterval = self.settings.bridge.session_expiry_seconds
+        # The broker sends no more than this many unacked messages: backpressure at the source.
+        p.ReceiveMaximum = min(self._max, RECEIVE_MAXIMUM_CAP)
+        return p
+
+    # ---- paho callbacks (same thread as run) ---------------------------------------------
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("MQTT broker refused the connection: %s", reason_code)
+            return
+        self._connected = True
+        self._delay = 0.0
+        if self._ever_connected:
+            self._c["reconnects"] += 1
+        self._ever_connected = True
+        if not flags.session_present:
+            log.info("bridge %s: new MQTT session (nothing was queued for us)", self.bridge_id)
+        # retainHandling=1: retained messages only for a new subscription, not on every resume.
+        opts = SubscribeOptions(qos=self.settings.mqtt.qos, retainHandling=1)
+        client.subscribe(self.subscription, options=opts)
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        bad = [rc for rc in reason_codes if rc.is_failure]
+        if bad:
+            log.error("subscription to %s refused: %s", self.subscription, bad)
+        else:
+            log.info("bridge %s subscribed to %s", self.bridge_id, self.subscription)
+            self.subscribed.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self._connected:
+            log.warning("bridge %s: MQTT connection lost (%s)", self.bridge_id, reason_code)
+        self._connected = False
+        # Acks for messages of the old connection must never be sent on a new one: the broker
+        # re-delivers them (same ids) and a stale ack could hit a re-used id.
+        self._gen += 1
+
+    def _on_message(self, client, userdata, msg: mqtt.MQTTMessage) -> None:
+        c = self._c
+        c["received"] += 1
+        topic = msg.topic
+        payload = msg.payload
+        headers = [
+            ("mqtt_topic", topic.encode()),
+            ("qos", b"%d" % msg.qos),
+            ("retain", b"1" if msg.retain else b"0"),
+            ("received_at", b"%d" % (time.time_ns() // 1_000_000)),
+            ("bridge_id", self._bid),
+        ]
+        e = _Entry(msg.mid, msg.qos, self._gen, time.monotonic(), topic, payload, headers)
+        self._pending.append(e)
+        target = self._route(topic)
+        if target is None:
+            self._dead_letter(e, "unmapped_topic")
+        elif len(payload) > self._max_payload:
+            self._dead_letter(e, "payload_too_large")
+        else:
+            self._produce(e, target, self._key(topic), payload, headers)
+
+    # ---- routing -------------------------------------------------------------------------
+    def _route(self, topic: str) -> str | None:
+        """Kafka topic for an MQTT topic: first matching ``bridge.topic_map`` pattern (cached)."""
+        if not self._topic_map:
+            return self._default_topic
+        try:
+            return self._routes[topic]
+        except KeyError:
+            pass
+        if len(self._routes) > 65_536:
+            self._routes.clear()
+        target = next((t for pattern, t in self._topic_map.items()
+                       if mqtt.topic_matches_sub(pattern, topic)), None)
+        self._routes[topic] = target
+        return target
+
+    def _key(self, topic: str) -> bytes | None:
+        if self._dev_level is None:
+            return None
+        levels = topic.split("/")
+        return levels[self._dev_level].encode() if len(levels) > self._dev_level else None
+
+    # ---- Kafka ---------------------------------------------------------------------------
+    def _produce(self, e: _Entry, topic: str, key: bytes | None, value: bytes,
+                 headers: list[tuple[str, bytes]]) -> None:
+        cb = functools.partial(self._on_delivery, e)
+        while True:
+            try:
+                self._producer.produce(topic, value, key, headers=headers, on_delivery=cb)
+                return
+            except BufferError:  # local queue full: serve callbacks, then retry
+                self._producer.poll(0.05)
+            except KafkaException as ex:  # rejected before sending (e.g. too large)
+                if e.dlq:
+                    self._schedule_retry(e, f"produce_error:{ex.args[0].name()}")
+                else:
+                    self._dead_letter(e, f"produce_error:{ex.args[0].name()}")
+                return
+
+    def _dead_letter(self, e: _Entry, reason: str) -> None:
+        e.dlq = True
+        value = e.payload
+        headers = [*e.headers, ("dlq_reason", reason.encode()),
+                   ("payload_bytes", str(len(value)).encode())]
+        if len(value) > DLQ_MAX_VALUE:
+            value = value[:DLQ_MAX_VALUE]
+            headers.append(("truncated", b"1"))
+        log.debug("dead-letter %s: %s", e.topic, reason)
+        self._produce(e, self._dlq_topic, self._key(e.topic), value, headers)
+
+    def _schedule_retry(self, e: _Entry, reason: str) -> None:
+        log.error("dead-letter delivery failed (%s); retrying in 1s, message stays unacked", reason)
+        self._retry.append((time.monotonic() + 1.0, e, reason))
+
+    def _on_delivery(self, e: _Entry, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            e.done = True
+            self._c["dead_lettered" if e.dlq else "delivered"] += 1
+            self.latency.observe(time.monotonic() - e.t0)
+            self._ack_ready()
+            return
+        self._c["failed"] += 1
+        if err.fatal():
+            self._fatal = err
+            return
+        log.warning("Kafka delivery failed for %s: %s", e.topic, err)
+        if e.dlq:
+            self._schedule_retry(e, err.name())
+        else:
+            self._dead_letter(e, f"kafka_error:{err.name()}")
+
+    def _ack_ready(self) -> None:
+        """Ack in receive order (MQTT requires it) every message Kafka has confirmed."""
+        p, gen = self._pending, self._gen
+        while p and p[0].done:
+            e = p.popleft()
+            if e.mid and e.gen == gen and self._connected:
+                self._client.ack(e.mid, e.qos)
+                self._c["acked"] += 1
+
+    # ---- main loop -----------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self._c, "in_flight": len(self._pending), "connected": int(self._connected)}
+
+    def run(self, stop: threading.Event) -> None:
+        """Bridge until ``stop`` is set, then flush Kafka, ack what it confirmed, disconnect."""
+        b = self.settings.bridge
+        stop_metrics = (serve(b.metrics_port, BridgeCollector(self.bridge_id, lambda: self.stats,
+                                                              self.latency))
+                        if b.metrics_port else None)
+        next_log = time.monotonic() + (b.log_interval_seconds or float("inf"))
+        last = dict(self._c)
+        next_connect = 0.0
+        paused_read = 0.0
+        client, producer = self._client, self._producer
+        host, port = self.settings.mqtt_endpoint
+        try:
+            while not stop.is_set():
+                if self._fatal is not None:
+                    raise KafkaException(self._fatal)
+                now = time.monotonic()
+                if client.socket() is None:
+                    if now >= next_connect:
+                        self._delay = min(max(self._delay * 2, 0.25), 10.0)
+                        next_connect = now + self._delay
+                        try:
+                            client.connect(host, port, keepalive=b.keepalive_seconds,
+                                           clean_start=False, properties=self._connect_properties())
+                        except OSError as ex:
+                            log.warning("MQTT %s:%d unreachable (%s); retrying in %.1fs",
+                                        host, port, ex, self._delay)
+                    producer.poll(0.05)
+                    continue
+                if len(self._pending) < self._max:
+                    self._pump(0.001 if self._pending else 0.05)
+                else:  # backpressure: keep acking and pinging, stop reading
+                    producer.poll(0.01)
+                    client.loop_write()
+                    client.loop_misc()
+                    if now - paused_read > 1.0:  # PINGRESP must still be read
+                        paused_read = now
+                        client.loop_read()
+                producer.poll(0)
+                if self._retry:
+                    self._run_retries(now)
+                if now >= next_log:
+                    self._log_progress(last, b.log_interval_seconds)
+                    last = dict(self._c)
+                    next_log = now + b.log_interval_seconds
+        finally:
+            self._shutdown(b.shutdown_timeout_seconds)
+            if stop_metrics:
+                stop_metrics()
+
+    def _pump(self, timeout: float) -> None:
+        """One select, then read whatever is buffered without further waiting."""
+        client, c = self._client, self._c
+        rc = client.loop(timeout)
+        n = 0
+        while rc == mqtt.MQTT_ERR_SUCCESS and n < 1000 and len(self._pending) < self._max:
+            before = c["received"]
+            rc = client.loop_read()
+            if c["received"] == before:
+                break
+            n += 1
+            if n % 100 == 0:
+                self._producer.poll(0)
+
+    def _run_retries(self, now: float) -> None:
+        due = [r for r in self._retry if r[0] <= now]
+        self._retry = [r for r in self._retry if r[0] > now]
+        for _, e, reason in due:
+            e.dlq = False
+            self._dead_letter(e, reason)
+
+    def _log_progress(self, last: dict[str, int], interval: float) -> None:
+        s = self.stats
+        rate = (s["received"] - last["received"]) / interval
+        log.info("bridge %s: %.0f msg/s received=%d delivered=%d dead_lettered=%d failed=%d "
+                 "in_flight=%d reconnects=%d p99<=%.3fs", self.bridge_id, rate, s["received"],
+                 s["delivered"], s["dead_lettered"], s["failed"], s["in_flight"], s["reconnects"],
+                 self.latency.quantile(0.99))
+
+    def _shutdown(self, timeout: float) -> None:
+        client, producer = self._client, self._producer
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline and self._fatal is None:
+            producer.poll(0.05)
+            if client.socket() is not None:
+                client.loop_write()
+        left = len(self._pending)
+        if left:
+            log.warning("bridge %s: %d messages unconfirmed at shutdown; the broker will "
+                        "re-deliver them", self.bridge_id, left)
+        if client.socket() is not None:
+            client.disconnect()
+            end = time.monotonic() + 5
+            while client.socket() is not None and time.monotonic() < end:
+                client.loop(0.05)
+        producer.flush(min(timeout, 5.0))
+        log.info("bridge %s stopped: %s", self.bridge_id, self.stats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ingest.bridge", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="settings file (default: ./iotlake.toml or $IOTLAKE_CONFIG)")
+    p.add_argument("--bridge-id", help="stable MQTT client id (default: mqtt.client_id)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings(args.config)
+        bridge = Bridge(settings, args.bridge_id)
+    except SettingsError as e:
+        print(f"ingest.bridge: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    bridge.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Device simulator: deterministic telemetry (with injected faults) published to MQTT.
+
+The simulated clock is independent of publish speed (device d's k-th reading has
+``ts = start + k * devices / rate``), so a seed fully determines the data and tests can assert
+exact event times, duplicates, malformed payloads and late arrivals.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import paho.mqtt.client as mqtt
+
+from lakehouse.settings import Settings
+
+log = logging.getLogger(__name__)
+
+KINDS = ("valid", "duplicate", "malformed", "late")
+_MALFORMED = ("not_json", "truncated", "no_event_id", "no_ts")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One MQTT publish. ``event_id`` is what a parser can recover (None when absent/unparsable)."""
+
+    topic: str
+    payload: bytes
+    event_id: str | None
+    kind: str
+
+
+def device_id(index: int) -> str:
+    return f"dev-{index + 1:05d}"
+
+
+def device_topic(settings: Settings, device: str) -> str:
+    """The MQTT topic a device publishes to: the filter with its ``+`` replaced."""
+    flt = settings.mqtt.topic_filter
+    if flt.count("+") != 1 or "#" in flt:
+        raise ValueError(f"mqtt.topic_filter {flt!r} must contain exactly one '+' (the device id) and no '#'")
+    return flt.replace("+", device)
+
+
+def format_ts(dt: datetime) -> str:
+    """ISO-8601 UTC with millisecond precision and a ``Z`` suffix."""
+    dt = dt.astimezone(UTC)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+class Fleet:
+    """Per-device state (clock, sensor random walks) shared by batch and continuous modes."""
+
+    def __init__(self, settings: Settings, devices: int, rng: random.Random,
+                 start: datetime | None, rate: float) -> None:
+        if devices < 1:
+            raise ValueError("devices must be >= 1")
+        if rate <= 0:
+            raise ValueError("rate must be > 0")
+        start = start or datetime.now(UTC)
+        if start.tzinfo is None:
+            start = start.replace(tzinfo=UTC)
+        self.start = start.replace(microsecond=start.microsecond // 1000 * 1000)
+        self.interval = timedelta(seconds=devices / rate)
+        self.rng = rng
+        self.ids = [device_id(d) for d in range(devices)]
+        self.topics = [device_topic(settings, i) for i in self.ids]
+        self.count = [0] * devices
+        self.temp = [rng.uniform(15.0, 30.0) for _ in range(devices)]
+        self.hum = [rng.uniform(30.0, 70.0) for _ in range(devices)]
+        self.battery = [rng.uniform(80.0, 100.0) for _ in range(devices)]
+        self._next = 0
+
+    def new_event_id(self) -> str:
+        return f"{self.rng.getrandbits(128):032x}"
+
+    def reading(self, late: bool = False) -> tuple[str, dict, str]:
+        """Next reading (round-robin over devices): (topic, record, event_id)."""
+        rng, d = self.rng, self._next
+        self._next = (d + 1) % len(self.ids)
+        k = self.count[d]
+        self.count[d] += 1
+        ts = self.start + k * self.interval
+        if late:
+            ts -= timedelta(milliseconds=rng.randint(60_000, 300_000))
+        self.temp[d] += rng.gauss(0.0, 0.2)
+        self.hum[d] = min(100.0, max(0.0, self.hum[d] + rng.gauss(0.0, 0.5)))
+        self.battery[d] = max(0.0, self.battery[d] - rng.uniform(0.0, 0.02))
+        event_id = self.new_event_id()
+        record = {
+            "schema_version": 1,
+            "device_id": self.ids[d],
+            "event_id": event_id,
+            "ts": format_ts(ts),
+            "temperature": round(self.temp[d], 2),
+            "humidity": round(self.hum[d], 2),
+            "battery": round(self.battery[d], 2),
+            "status": "error" if rng.random() < 0.01 else "ok",
+        }
+        return self.topics[d], record, event_id
+
+    def message(self, kind: str, sent: list[Message]) -> Message:
+        """One message of ``kind``; duplicates re-send a random earlier reading from ``sent``."""
+        if kind == "duplicate":
+            m = self.rng.choice(sent)
+            return Message(m.topic, m.payload, m.event_id, "duplicate")
+        if kind == "malformed":
+            return self._malformed()
+        topic, record, eid = self.reading(late=kind == "late")
+        return Message(topic, _encode(record), eid, kind)
+
+    def _malformed(self) -> Message:
+        rng = self.rng
+        variant = rng.choice(_MALFORMED)
+        d = rng.randrange(len(self.topics))
+        topic = self.topics[d]
+        # A record that does not advance any device clock: bad input is not a reading.
+        record = {"schema_version": 1, "device_id": self.ids[d], "event_id": self.new_event_id(),
+                  "ts": format_ts(self.start), "temperature": 0.0, "humidity": 0.0,
+                  "battery": 0.0, "status": "ok"}
+        if variant == "not_json":
+            return Message(topic, b"\xffnot json " + rng.randbytes(8).hex().encode(), None, "malformed")
+        if variant == "truncated":
+            raw = _encode(record)
+            return Message(topic, raw[: rng.randrange(1, len(raw) - 1)], None, "malformed")
+        if variant == "no_event_id":
+            del record["event_id"]
+            return Message(topic, _encode(record), None, "malformed")
+        del record["ts"]
+        return Message(topic, _encode(record), record["event_id"], "malformed")
+
+
+def _encode(record: dict) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def generate(
+    settings: Settings,
+    events: int,
+    devices: int = 10,
+    duplicates: int = 0,
+    malformed: int = 0,
+    late: int = 0,
+    seed: int = 0,
+    start: datetime | None = None,
+    rate: float = 100.0,
+) -> list[Message]:
+    """``events`` messages in total; unique valid readings = events - duplicates - malformed
+    (``late`` of them with ts 1-5 min behind the simulated clock). Same seed+start, same bytes."""
+    if min(events, duplicates, malformed, late) < 0:
+        raise ValueError("counts must be >= 0")
+    readings = events - duplicates - malformed
+    if readings < late or readings < 0:
+        raise ValueError(f"events={events} too small for duplicates+malformed+late")
+    if duplicates and not readings:
+        raise ValueError("duplicates need at least one valid reading to duplicate")
+    rng = random.Random(seed)
+    fleet = Fleet(settings, devices, rng, start, rate)
+    kinds = (["valid"] * (readings - late) + ["late"] * late
+             + ["duplicate"] * duplicates + ["malformed"] * malformed)
+    rng.shuffle(kinds)
+    if duplicates:  # a duplicate needs an earlier reading: move the first reading to the front
+        first = next(i for i, k in enumerate(kinds) if k in ("valid", "late"))
+        kinds[0], kinds[first] = kinds[first], kinds[0]
+    out: list[Message] = []
+    sent: list[Message] = []
+    for kind in kinds:
+        m = fleet.message(kind, sent)
+        if kind in ("valid", "late"):
+            sent.append(m)
+        out.append(m)
+    return out
+
+
+# ---- publishing ------------------------------------------------------------------------------
+
+
+def mqtt_client(settings: Settings, client_id: str = "", protocol: int = mqtt.MQTTv311,
+                **kwargs) -> mqtt.Client:
+    """A paho 2.x client with the settings' credentials and TLS applied (never logged)."""
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol, **kwargs)
+    m = settings.mqtt
+    if m.username:
+        c.username_pw_set(m.username, m.password or None)
+    if m.tls_ca or m.tls_cert:
+        c.tls_set(ca_certs=m.tls_ca or None, certfile=m.tls_cert or None, keyfile=m.tls_key or None)
+    return c
+
+
+class _Publisher:
+    """QoS-1 publisher with a bound on unacknowledged publishes.
+
+    paho assigns 16-bit message ids at ``publish()`` time, so more than ~65k unacked publishes
+    would collide; the semaphore keeps the number in flight below ``max_inflight``.
+    """
+
+    def __init__(self, settings: Settings, max_inflight: int, qos: int = 1) -> None:
+        if not 1 <= max_inflight <= 60_000:
+            raise ValueError("max_inflight must be in 1..60000 (paho message ids are 16-bit)")
+        self.qos = qos
+        self.slots = threading.BoundedSemaphore(max_inflight)
+        self.acked = 0
+        self.connected = threading.Event()
+        self.client = mqtt_client(settings, protocol=mqtt.MQTTv311)
+        self.client.max_inflight_messages_set(max_inflight)
+        self.client.max_queued_messages_set(0)
+        self.client.on_publish = self._on_publish
+        self.client.on_connect = self._on_connect
+        host, port = settings.mqtt_endpoint
+        self.client.connect(host, port, keepalive=30)
+        self.client.loop_start()
+        if not self.connected.wait(30):
+            self.close()
+            raise ConnectionError(f"MQTT broker {host}:{port} did not accept the connection")
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if not reason_code.is_failure:
+            self.connected.set()
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        self.acked += 1
+        self.slots.release()
+
+    def send(self, topic: str, payload: bytes) -> None:
+        self.slots.acquire()
+        info = self.client.publish(topic, payload, qos=self.qos)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued, resent
+            self.slots.release()
+            raise RuntimeError(f"MQTT publish failed: {mqtt.error_string(info.rc)}")
+
+    def drain(self, sent: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.acked < sent:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {self.acked}/{sent} publishes acknowledged")
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def publish(settings: Settings, messages: Iterable[Message], rate: float | None = None,
+            max_inflight: int = 1000) -> int:
+    """Publish QoS 1 (optionally paced at ``rate`` msg/s); returns the count acknowledged."""
+    pub = _Publisher(settings, max_inflight)
+    sent = 0
+    t0 = time.monotonic()
+    try:
+        for m in messages:
+            if rate:
+                delay = t0 + sent / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            pub.send(m.topic, m.payload)
+            sent += 1
+        pub.drain(sent)
+    finally:
+        pub.close()
+    return sent
+
+
+def run_forever(settings: Settings, rate: float, devices: int, stop: threading.Event,
+                faults: dict | None = None) -> int:
+    """Continuous mode: publish ``rate`` msg/s until ``stop``. ``faults`` gives the fractions
+    of ``duplicates``, ``malformed`` and ``late`` messages (e.g. ``{"duplicates": 0.01}``)."""
+    faults = dict(faults or {})
+    unknown = set(faults) - {"duplicates", "malformed", "late", "seed"}
+    if unknown:
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}; use duplicates, malformed, late")
+    p_dup, p_bad, p_late = (float(faults.get(k, 0.0)) for k in ("duplicates", "malformed", "late"))
+    rng = random.Random(int(faults.get("seed", 0)))
+    fleet = Fleet(settings, devices, rng, None, rate)
+    recent: list[Message] = []
+    pub = _Publisher(settings, max_inflight=1000)
+    sent = 0
+    t0 = time.monotonic()
+    log.info("simulating %d devices at %.0f msg/s on %s", devices, rate, settings.mqtt.topic_filter)
+    try:
+        while not stop.is_set():
+            delay = t0 + sent / rate - time.monotonic()
+            if delay > 0:
+                stop.wait(min(delay, 0.5))
+                continue
+            x = rng.random()
+            kind = ("duplicate" if x < p_dup else "malformed" if x < p_dup + p_bad
+                    else "late" if x < p_dup + p_bad + p_late else "valid")
+            if kind == "duplicate" and not recent:
+                kind = "valid"
+            m = fleet.message(kind, recent)
+            if kind in ("valid", "late"):
+                recent.append(m)
+                if len(recent) > 1000:
+                    del recent[:500]
+            pub.send(m.topic, m.payload)
+            sent += 1
+        pub.drain(sent, timeout=30)
+    finally:
+        pub.close()
+    log.info("simulator published %d messages", sent)
+    return sent

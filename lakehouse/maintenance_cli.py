@@ -1,0 +1,143 @@
+"""``iotlake compact | vacuum | restore | history``, and ``run_iotlake`` for orchestrators.
+
+Each command prints one JSON object per table (or per commit for ``history``), so a scheduler's
+log is both readable and parseable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lakehouse.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        print(json.dumps(row, default=str, sort_keys=True))
+
+
+def _guarded(func: Callable[[argparse.Namespace, Settings], int]) -> Callable[..., int]:
+    """Storage and Delta failures become one clear line and exit 1 (bad input stays exit 2)."""
+
+    def run(args: argparse.Namespace, settings: Settings) -> int:
+        from deltalake.exceptions import DeltaError
+
+        try:
+            return func(args, settings)
+        except (DeltaError, OSError) as e:
+            print(f"iotlake {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _compact(args: argparse.Namespace, settings: Settings) -> int:
+    from lakehouse.maintenance import compact
+
+    _print(compact(settings, args.table, target_size=args.target_size,
+                   zorder=False if args.no_zorder else None))
+    return 0
+
+
+def _vacuum(args: argparse.Namespace, settings: Settings) -> int:
+    from lakehouse.maintenance import vacuum
+
+    _print(vacuum(settings, args.table, retention_hours=args.retention_hours, dry_run=args.dry_run,
+                  enforce_retention_duration=not args.force))
+    return 0
+
+
+def _restore(args: argparse.Namespace, settings: Settings) -> int:
+    from lakehouse.maintenance import restore
+
+    _print([restore(settings, args.table, version=args.version, timestamp=args.timestamp)])
+    return 0
+
+
+def _history(args: argparse.Namespace, settings: Settings) -> int:
+    from lakehouse.maintenance import table_history
+
+    _print(table_history(settings, args.table, limit=args.limit))
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the table-maintenance subcommands to the ``iotlake`` parser."""
+    table_help = "table name (repeatable; default: every existing table)"
+    p = subparsers.add_parser("compact", help="bin-pack small files (and Z-order) in Delta tables")
+    p.add_argument("--table", action="append", metavar="T", help=table_help)
+    p.add_argument("--no-zorder", action="store_true", help="bin-packing only, never Z-order")
+    p.add_argument("--target-size", type=_positive, metavar="BYTES",
+                   help="target file size (default: maintenance.target_file_size)")
+    p.set_defaults(func=_guarded(_compact))
+
+    p = subparsers.add_parser("vacuum", help="delete files older versions no longer need")
+    p.add_argument("--table", action="append", metavar="T", help=table_help)
+    p.add_argument("--retention-hours", type=_positive, metavar="H",
+                   help="keep files needed by versions newer than H hours "
+                        "(default: max(168, maintenance.vacuum_retention_hours))")
+    p.add_argument("--dry-run", action="store_true", help="list files, delete nothing")
+    p.add_argument("--force", action="store_true",
+                   help="allow a retention below 168 h (breaks older time travel)")
+    p.set_defaults(func=_guarded(_vacuum))
+
+    p = subparsers.add_parser("restore", help="restore a table to an older version or time")
+    p.add_argument("table", metavar="TABLE")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--version", type=_positive, metavar="N")
+    target.add_argument("--timestamp", metavar="T", help="ISO 8601, e.g. 2024-05-01T12:00:00Z")
+    p.set_defaults(func=_guarded(_restore))
+
+    p = subparsers.add_parser("history", help="commit history of a table, newest first")
+    p.add_argument("table", metavar="TABLE")
+    p.add_argument("--limit", type=_positive, metavar="N", help="newest N commits only")
+    p.set_defaults(func=_guarded(_history))
+
+
+def iotlake_bin() -> str:
+    """``$IOTLAKE_BIN``, else the ``iotlake`` script of this interpreter's venv, else PATH.
+
+    Airflow workers may run with a bare PATH; the venv's script is the one matching this code.
+    """
+    if os.environ.get("IOTLAKE_BIN"):
+        return os.environ["IOTLAKE_BIN"]
+    beside = Path(sys.executable).with_name("iotlake")
+    if beside.exists():
+        return str(beside)
+    return shutil.which("iotlake") or "iotlake"
+
+
+def run_iotlake(*args: str) -> int:
+    """Run ``iotlake ARGS`` (config from ``$IOTLAKE_CONFIG``), logging its output; exit code.
+
+    Arguments go as a list, never through a shell, so DAG params cannot inject commands.
+    """
+    cmd = [iotlake_bin(), *args]
+    log.info("running %s (IOTLAKE_CONFIG=%s)", cmd, os.environ.get("IOTLAKE_CONFIG", "-"))
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.info("%s", line.rstrip())
+    log.info("%s exited %s", cmd[0], proc.returncode)
+    return proc.returncode

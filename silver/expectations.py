@@ -1,0 +1,326 @@
+"""The telemetry expectation suite, compiled for the silver stream.
+
+The suite is a Great Expectations 1.x file (``expectations/telemetry.json``) so that the same
+rules drive both the stream and the GX reports of ``iotlake validate``. GX itself is too slow per
+micro-batch, so row-level expectations are compiled into ONE Spark array expression (no UDF) whose
+value is the list of failed expectation names (the quarantine reason), and the set-level ones
+into one aggregation per micro-batch.
+
+Semantics follow GX on Spark: only ``not_null`` fails on null; NaN is a value (it fails a range
+check; GX on pandas, used by ``iotlake validate``, sees NaN as null). ``mostly`` is ignored per
+row and applied to the counts in the quality log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import great_expectations as gx
+from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+#: The suite shipped with iotlake (the stream's and ``iotlake validate``'s default).
+DEFAULT_SUITE_PATH = Path(__file__).resolve().parents[1] / "expectations" / "telemetry.json"
+#: Name of the column ``failed_expectations`` is usually stored in.
+FAILURES_COL = "failed_expectations"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")  # no commas: names are joined into quarantine reasons
+
+
+class SuiteError(ValueError):
+    """The suite file is unusable; the message names the file and the expectation."""
+
+
+def _spark_type_names() -> dict[str, str]:
+    """``DoubleType``/``double`` -> ``double`` (what ``typeof`` returns), for ``_to_be_of_type``."""
+    names: dict[str, str] = {}
+    for attr in dir(T):
+        cls = getattr(T, attr)
+        if attr.endswith("Type") and isinstance(cls, type) and issubclass(cls, T.AtomicType):
+            try:
+                simple = cls().simpleString()
+            except TypeError:  # needs arguments (e.g. CharType(n))
+                continue
+            names[attr] = names[simple] = simple
+    return names
+
+
+_TYPE_NAMES = _spark_type_names()
+
+
+def _between(c: Column, k: Mapping[str, Any]) -> Column | None:
+    lo, hi = k.get("min_value"), k.get("max_value")
+    parts = []
+    if lo is not None:
+        parts.append(c <= F.lit(lo) if k.get("strict_min") else c < F.lit(lo))
+    if hi is not None:
+        parts.append(c >= F.lit(hi) if k.get("strict_max") else c > F.lit(hi))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] | parts[1]
+
+
+#: Row-level types -> failure condition. A null condition counts as "passed", which gives GX's
+#: rule that nulls fail nothing but ``not_null`` (comparisons with null are null).
+ROW_LEVEL: dict[str, Callable[[Column, Mapping[str, Any]], Column | None]] = {
+    "expect_column_values_to_not_be_null": lambda c, k: c.isNull(),
+    "expect_column_values_to_be_null": lambda c, k: c.isNotNull(),
+    "expect_column_values_to_be_between": _between,
+    "expect_column_value_lengths_to_be_between": lambda c, k: _between(F.length(c), k),
+    "expect_column_value_lengths_to_equal": lambda c, k: F.length(c) != F.lit(k["value"]),
+    "expect_column_values_to_be_in_set": lambda c, k: ~c.isin(list(k["value_set"])),
+    "expect_column_values_to_not_be_in_set": lambda c, k: c.isin(list(k["value_set"])),
+    "expect_column_values_to_match_regex": lambda c, k: ~c.rlike(k["regex"]),
+    "expect_column_values_to_not_match_regex": lambda c, k: c.rlike(k["regex"]),
+    # typeof() is constant-folded by Spark: costs nothing per row.
+    "expect_column_values_to_be_of_type":
+        lambda c, k: c.isNotNull() & (F.typeof(c) != F.lit(_TYPE_NAMES[k["type_"]])),
+}
+
+_AGGREGATES: dict[str, Callable[[Column], Column]] = {
+    "expect_column_mean_to_be_between": F.avg,
+    "expect_column_min_to_be_between": F.min,
+    "expect_column_max_to_be_between": F.max,
+    "expect_column_sum_to_be_between": F.sum,
+    "expect_column_stdev_to_be_between": F.stddev_samp,
+    "expect_column_median_to_be_between": lambda c: F.percentile_approx(c, 0.5),
+    "expect_column_unique_value_count_to_be_between": F.count_distinct,
+}
+#: Set-level types: need the whole micro-batch (evaluated by ``evaluate_set_level``).
+SET_LEVEL = frozenset({
+    "expect_column_values_to_be_unique", "expect_table_row_count_to_be_between",
+    "expect_table_row_count_to_equal", *_AGGREGATES,
+})
+
+
+@dataclass(frozen=True)
+class Check:
+    """One expectation of the suite, as the compiler sees it."""
+
+    name: str  # meta.name: quarantine reason and quality-log key
+    type: str
+    column: str | None
+    kwargs: Mapping[str, Any]
+
+    @property
+    def row_level(self) -> bool:
+        return self.type in ROW_LEVEL
+
+    @property
+    def mostly(self) -> float:
+        m = self.kwargs.get("mostly")
+        return 1.0 if m is None else float(m)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A loaded, checked suite; ``raw`` is the GX JSON (``iotlake validate`` hands it to GX)."""
+
+    name: str
+    path: str
+    checks: tuple[Check, ...]
+    raw: Mapping[str, Any]
+
+    @property
+    def row_level(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if c.row_level)
+
+    @property
+    def set_level(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.row_level)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(dict.fromkeys(c.column for c in self.checks if c.column))
+
+    @property
+    def row_checks(self) -> dict[str, Column]:
+        """Name -> failure condition. Built on access: Columns need an active Spark session."""
+        out: dict[str, Column] = {}
+        for c in self.row_level:
+            cond = ROW_LEVEL[c.type](F.col(c.column), c.kwargs)
+            if cond is not None:
+                out[c.name] = cond
+        return out
+
+
+def _check(path: str, i: int, exp: Any) -> Check:
+    where = f"{path}: expectation #{i}"
+    if not isinstance(exp, dict):
+        raise SuiteError(f"{where}: must be a JSON object, got {type(exp).__name__}")
+    meta = exp.get("meta") or {}
+    kwargs = exp.get("kwargs") or {}
+    etype = exp.get("type", "?")
+    where += f" ({meta.get('name') or etype})"
+    try:  # GX's own validation: unknown types, missing or mistyped kwargs
+        ExpectationConfiguration(**exp).to_domain_obj()
+    except Exception as e:  # GX raises pydantic, TypeError and its own errors
+        raise SuiteError(f"{where}: not a valid GX expectation: {e}") from None
+    if etype not in ROW_LEVEL and etype not in SET_LEVEL:
+        raise SuiteError(f"{where}: {etype} is not supported by the Spark compiler; supported: "
+                         f"{', '.join(sorted([*ROW_LEVEL, *SET_LEVEL]))}")
+    if kwargs.get("row_condition"):
+        raise SuiteError(f"{where}: row_condition is not supported by the Spark compiler")
+    if any(isinstance(v, dict) and "$PARAMETER" in v for v in kwargs.values()):
+        raise SuiteError(f"{where}: suite parameters ($PARAMETER) are not supported")
+    if etype == "expect_column_values_to_be_of_type" and kwargs.get("type_") not in _TYPE_NAMES:
+        raise SuiteError(f"{where}: type_ {kwargs.get('type_')!r} is not a Spark type name "
+                         "(e.g. 'DoubleType' or 'double')")
+    if "regex" in kwargs:
+        try:
+            re.compile(kwargs["regex"])
+        except re.error as e:
+            raise SuiteError(f"{where}: bad regex {kwargs['regex']!r}: {e}") from None
+    column = kwargs.get("column")
+    name = meta.get("name") or f"{column or 'table'}_{etype.removeprefix('expect_')}"
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SuiteError(f"{where}: meta.name {name!r} must be letters, digits, '_', '.', '-'")
+    return Check(name=name, type=etype, column=column, kwargs=kwargs)
+
+
+def load_suite(path: str | Path | None = None) -> Suite:
+    """Read and check a GX suite file; fail fast so a bad edit never reaches the stream."""
+    p = str(path or DEFAULT_SUITE_PATH)
+    try:
+        raw = json.loads(Path(p).read_text())
+    except OSError as e:
+        raise SuiteError(f"suite file {p}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise SuiteError(f"suite file {p}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("expectations"), list):
+        raise SuiteError(f"suite file {p}: expected a GX suite object with an 'expectations' list")
+    checks = tuple(_check(p, i, e) for i, e in enumerate(raw["expectations"]))
+    try:
+        suite = gx.ExpectationSuite(**raw)
+    except Exception as e:
+        raise SuiteError(f"suite file {p}: not a valid GX ExpectationSuite: {e}") from None
+    if len(suite.expectations) != len(checks):  # GX drops invalid expectations with a log line
+        raise SuiteError(f"suite file {p}: GX rejected some expectations (see the log)")
+    seen: set[str] = set()
+    for c in checks:
+        if c.name in seen:
+            raise SuiteError(f"suite file {p}: two expectations are named {c.name!r}; "
+                             "give each a unique meta.name")
+        seen.add(c.name)
+    return Suite(name=suite.name, path=p, checks=checks, raw=raw)
+
+
+def failed_expectations(suite: Suite) -> Column:
+    """array<string> of the row-level expectations a row fails, in suite order ([] if valid)."""
+    conds = suite.row_checks
+    if not conds:
+        return F.array().cast("array<string>")
+    return F.array_compact(F.array(*[F.when(c, F.lit(n)) for n, c in conds.items()]))
+
+
+# ---- quality log: counts per micro-batch, in one aggregation ------------------------------
+
+def _log(c: Check, kind: str, evaluated: int, passed: int | None, failed: int | None,
+         success: bool, **details: Any) -> dict[str, Any]:
+    return {"expectation": c.name, "column": c.column, "kind": kind, "evaluated": evaluated,
+            "passed": passed, "failed": failed, "success": success,
+            "details": json.dumps({"type": c.type, **details}, default=str, sort_keys=True)}
+
+
+def _counted(c: Check, kind: str, evaluated: int, failed: int) -> dict[str, Any]:
+    # GX: success when the passing share reaches `mostly`; nothing to evaluate is a success.
+    ok = evaluated == 0 or (evaluated - failed) / evaluated >= c.mostly
+    return _log(c, kind, evaluated, evaluated - failed, failed, ok, mostly=c.mostly)
+
+
+def _in_range(v: Any, k: Mapping[str, Any]) -> bool:
+    lo, hi = k.get("min_value"), k.get("max_value")
+    if lo is not None and (v <= lo if k.get("strict_min") else v < lo):
+        return False
+    return not (hi is not None and (v >= hi if k.get("strict_max") else v > hi))
+
+
+_Finish = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _row_plan(suite: Suite, failures_col: str) -> tuple[list[Column], list[_Finish]]:
+    aggs: list[Column] = []
+    finish: list[_Finish] = []
+    for i, c in enumerate(suite.row_level):
+        col = F.col(c.column)
+        # not_null counts every row (GX's element count); the others only non-null values.
+        ev = F.count(F.lit(1)) if c.type == "expect_column_values_to_not_be_null" else F.count(col)
+        aggs += [ev.alias(f"r{i}_n"),
+                 F.count(F.when(F.array_contains(F.col(failures_col), c.name), 1)).alias(f"r{i}_f")]
+        finish.append(lambda r, c=c, i=i: _counted(c, "row", r[f"r{i}_n"], r[f"r{i}_f"]))
+    return aggs, finish
+
+
+def _set_plan(suite: Suite) -> tuple[dict[str, Column], list[Column], list[_Finish]]:
+    windows: dict[str, Column] = {}
+    aggs: list[Column] = []
+    finish: list[_Finish] = []
+    for i, c in enumerate(suite.set_level):
+        k = c.kwargs
+        if c.type == "expect_column_values_to_be_unique":
+            # GX counts every row of a duplicated value as unexpected, hence a window count.
+            col = F.col(c.column)
+            windows[f"s{i}_w"] = F.count(F.lit(1)).over(Window.partitionBy(col))
+            aggs += [F.count(col).alias(f"s{i}_n"),
+                     F.count(F.when(col.isNotNull() & (F.col(f"s{i}_w") > 1), 1)).alias(f"s{i}_f")]
+            finish.append(lambda r, c=c, i=i: _counted(c, "set", r[f"s{i}_n"], r[f"s{i}_f"]))
+            continue
+        if c.type.startswith("expect_table_row_count"):
+            aggs.append(F.count(F.lit(1)).alias(f"s{i}_n"))
+            aggs.append(F.count(F.lit(1)).alias(f"s{i}_v"))
+        else:
+            aggs.append(F.count(F.col(c.column)).alias(f"s{i}_n"))
+            aggs.append(_AGGREGATES[c.type](F.col(c.column)).alias(f"s{i}_v"))
+
+        def done(r: dict[str, Any], c: Check = c, i: int = i, k: Mapping[str, Any] = k) -> dict:
+            v = r[f"s{i}_v"]
+            # An empty micro-batch has no mean: not a quality failure (GX would say failed).
+            # A NaN statistic (NaN in the column) fails.
+            ok = v is None or (v == v and (v == k["value"] if "value" in k else _in_range(v, k)))
+            bounds = {b: k[b] for b in ("value", "min_value", "max_value") if b in k}
+            return _log(c, "set", r[f"s{i}_n"], None, None, ok, observed_value=v, **bounds)
+
+        finish.append(done)
+    return windows, aggs, finish
+
+
+def _aggregate(df: DataFrame, columns: list[str], windows: dict[str, Column],
+               aggs: list[Column], finish: list[_Finish]) -> list[dict[str, Any]]:
+    if not aggs:
+        return []
+    if windows:  # narrow first: only what the checks read goes through the window's shuffle
+        df = df.select(*columns, *[w.alias(a) for a, w in windows.items()])
+    row = df.agg(*aggs).collect()[0].asDict()
+    return [f(row) for f in finish]
+
+
+def evaluate_set_level(suite: Suite, df: DataFrame) -> list[dict[str, Any]]:
+    """Quality-log rows (kind ``set``) for the batch-wide expectations, one Spark aggregation.
+
+    ``passed``/``failed`` are null for aggregate checks (no single row is to blame); ``details``
+    holds the observed value.
+    """
+    windows, aggs, finish = _set_plan(suite)
+    return _aggregate(df, suite.columns, windows, aggs, finish)
+
+
+def row_level_summary(df: DataFrame, suite: Suite,
+                      failures_col: str = FAILURES_COL) -> list[dict[str, Any]]:
+    """Quality-log rows (kind ``row``) counting each row-level expectation, one aggregation."""
+    aggs, finish = _row_plan(suite, failures_col)
+    return _aggregate(df, [*suite.columns, failures_col], {}, aggs, finish)
+
+
+def quality_summary(df: DataFrame, suite: Suite,
+                    failures_col: str = FAILURES_COL) -> list[dict[str, Any]]:
+    """``row_level_summary`` + ``evaluate_set_level`` in ONE aggregation (one pass per batch)."""
+    raggs, rfinish = _row_plan(suite, failures_col)
+    windows, saggs, sfinish = _set_plan(suite)
+    return _aggregate(df, [*suite.columns, failures_col], windows, raggs + saggs, rfinish + sfinish)
