@@ -274,7 +274,7 @@ class Bridge:
                                                               self.latency))
                         if b.metrics_port else None)
         next_log = time.monotonic() + (b.log_interval_seconds or float("inf"))
-        last = dict(self._c)
+        last, last_t = dict(self._c), time.monotonic()
         next_connect = 0.0
         paused_read = 0.0
         client, producer = self._client, self._producer
@@ -309,8 +309,8 @@ class Bridge:
                 if self._retry:
                     self._run_retries(now)
                 if now >= next_log:
-                    self._log_progress(last, b.log_interval_seconds)
-                    last = dict(self._c)
+                    self._log_progress(last, now - last_t)
+                    last, last_t = dict(self._c), now
                     next_log = now + b.log_interval_seconds
         finally:
             self._shutdown(b.shutdown_timeout_seconds)
@@ -338,9 +338,9 @@ class Bridge:
             e.dlq = False
             self._dead_letter(e, reason)
 
-    def _log_progress(self, last: dict[str, int], interval: float) -> None:
+    def _log_progress(self, last: dict[str, int], elapsed: float) -> None:
         s = self.stats
-        rate = (s["received"] - last["received"]) / interval
+        rate = (s["received"] - last["received"]) / max(elapsed, 1e-3)
         log.info("bridge %s: %.0f msg/s received=%d delivered=%d dead_lettered=%d failed=%d "
                  "in_flight=%d reconnects=%d p99<=%.3fs", self.bridge_id, rate, s["received"],
                  s["delivered"], s["dead_lettered"], s["failed"], s["in_flight"], s["reconnects"],
@@ -358,6 +358,7 @@ class Bridge:
             log.warning("bridge %s: %d messages unconfirmed at shutdown; the broker will "
                         "re-deliver them", self.bridge_id, left)
         if client.socket() is not None:
+            self._connected = False
             client.disconnect()
             end = time.monotonic() + 5
             while client.socket() is not None and time.monotonic() < end:

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("py4j", "urllib3"):
+    for noisy in ("py4j", "urllib3", "great_expectations"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         overrides = {"data_root": args.data_root} if args.data_root else {}

@@ -8,7 +8,8 @@ from lakehouse.settings import Settings
 
 
 def client_config(settings: Settings, **extra: Any) -> dict[str, Any]:
-    conf: dict[str, Any] = {"bootstrap.servers": settings.kafka_bootstrap}
+    conf: dict[str, Any] = {"bootstrap.servers": settings.kafka_bootstrap,
+                            "log.connection.close": False}
     conf.update(settings.kafka.client_config)
     conf.update(extra)
     return conf

@@ -67,7 +67,7 @@ ARROW_SCHEMA = pa.schema(
 
 
 def _client_conf(options: dict[str, str]) -> dict[str, Any]:
-    conf: dict[str, Any] = {"bootstrap.servers": options["bootstrap"]}
+    conf: dict[str, Any] = {"bootstrap.servers": options["bootstrap"], "log.connection.close": False}
     extra = options.get("client_config")
     if extra:
         conf.update(json.loads(extra))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def consume(settings: Settings, topic: str, expect: int | None = None, idle: flo
         while time.monotonic() < deadline:
             m = c.poll(0.2)
             if m is None:
-                if time.monotonic() - last > idle and (expect is None or len(out) >= expect):
+                quiet = time.monotonic() - last
+                if quiet > (idle if out else max(idle, 5.0)) and (expect is None or len(out) >= expect):
                     break
                 continue
             if m.error():
@@ -148,6 +150,7 @@ def test_shared_subscription_two_instances(settings):
 
 
 def _bridge_proc(settings: Settings, log: Path) -> subprocess.Popen:
+    """``python -m ingest.bridge`` configured through IOTLAKE_* env vars; returns once subscribed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
     host, port = settings.mqtt_endpoint
     env.update({
@@ -158,31 +161,42 @@ def _bridge_proc(settings: Settings, log: Path) -> subprocess.Popen:
         "IOTLAKE_MQTT__HOST": host, "IOTLAKE_MQTT__PORT": str(port),
         "IOTLAKE_MQTT__CLIENT_ID": settings.mqtt.client_id,
         "IOTLAKE_MQTT__TOPIC_FILTER": settings.mqtt.topic_filter,
+        "IOTLAKE_BRIDGE__LOG_INTERVAL_SECONDS": "0.1",
     })
     out = open(log, "ab")
     p = subprocess.Popen([sys.executable, "-m", "ingest.bridge"], env=env, cwd=log.parent,
                          stdout=out, stderr=subprocess.STDOUT)
     out.close()
-    deadline = time.monotonic() + 30
-    while "subscribed to" not in log.read_text():
-        assert p.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    wait_log(p, log, lambda text: "subscribed to" in text)
     return p
+
+
+def wait_log(p: subprocess.Popen, log: Path, cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond(log.read_text()):
+        assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+
+
+def delivered_in_log(text: str) -> int:
+    found = re.findall(r" delivered=(\d+)", text)
+    return int(found[-1]) if found else 0
 
 
 def test_kill9_loses_nothing(settings, tmp_path):
     total = 20_000
     msgs = generate(settings, total, devices=50, seed=7)
-    log = tmp_path / "bridge.log"
+    log = tmp_path / "bridge-1.log"
     p = _bridge_proc(settings, log)
     pub = threading.Thread(target=publish, args=(settings, msgs), kwargs={"rate": 10_000})
     pub.start()
-    time.sleep(0.8)
+    wait_log(p, log, lambda text: delivered_in_log(text) >= 3000)
     p.send_signal(signal.SIGKILL)
     p.wait(10)
     pub.join(60)
     before = len(consume(settings, settings.kafka.topic, idle=1.0))
     assert 0 < before < total, "the kill should land mid-stream"
+    log = tmp_path / "bridge-2.log"
     p = _bridge_proc(settings, log)  # same client id: the broker kept the session
     try:
         got = ids_of(consume(settings, settings.kafka.topic, expect=total, idle=2.0))

@@ -50,13 +50,15 @@ const badge = (status) => el("span", { class: "badge " + status, "data-status": 
 function renderFleet(f) {
   const cards = [el("div", { class: "card total" },
     el("div", { class: "n", "data-count": "total" }, fmtNum(f.total, 0)), el("div", { class: "label" }, "devices"))];
-  for (const [status, n] of Object.entries(f.by_status)) {
+  const order = (s) => { const i = ["online", "degraded", "offline"].indexOf(s); return i < 0 ? 9 : i; };
+  const statuses = Object.entries(f.by_status).sort((a, b) => order(a[0]) - order(b[0]) || a[0].localeCompare(b[0]));
+  for (const [status, n] of statuses) {
     cards.push(el("div", { class: "card " + status },
       el("div", { class: "n", "data-count": status }, fmtNum(n, 0)), el("div", { class: "label" }, status)));
   }
   $("fleet").replaceChildren(...cards);
   const sel = $("status");
-  for (const status of Object.keys(f.by_status)) {
+  for (const [status] of statuses) {
     if (![...sel.options].some((o) => o.value === status)) sel.append(el("option", { value: status }, status));
   }
 }
@@ -136,7 +138,10 @@ function renderDevice(d) {
   $("device-status").textContent = dev.status;
   $("device-meta").textContent = `since ${fmtDateTime(dev.status_since)} · last seen ${fmtDateTime(dev.last_seen)}` +
     ` · ${d.anomalies.length} anomal${d.anomalies.length === 1 ? "y" : "ies"} in range`;
-  const t1 = Date.parse(dev.last_seen || new Date().toISOString()), t0 = Date.parse(d.since);
+  // The x axis spans the requested range, or less when the device's data starts later.
+  const t1 = Date.parse(dev.last_seen || new Date().toISOString());
+  const firsts = METRICS.flatMap((m) => [d.series[m]?.t[0], d.points[m]?.t[0]]).filter((t) => t != null);
+  const t0 = Math.max(Date.parse(d.since), Math.min(t1 - 60000, ...firsts));
   $("charts").replaceChildren(...METRICS.map((m) => {
     const an = d.anomalies.filter((a) => a.metric === m);
     return el("figure", { class: "chart", "data-metric": m, "data-anomalies": an.length },

@@ -1,0 +1,54 @@
+# iotlake — two commands for a newcomer: `make run` and `make test`.
+# Each creates .venv if missing, installs the package and the system packages it needs
+# (Mosquitto; a Java runtime for Spark), and starts the embedded brokers on iotlake's own ports.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+RATE   ?= 200
+DEVICES ?= 50
+
+.PHONY: run demo test bench lint airflow dashboard install system-deps clean
+
+run: install            ## live pipeline on embedded Mosquitto + Tansu, simulated devices; Ctrl-C stops
+	$(BIN)/iotlake run --simulate $(RATE) --devices $(DEVICES)
+
+demo: install           ## bounded run: publish events, wait for gold, print accounting JSON
+	$(BIN)/iotlake demo --events 5000 --devices 20
+
+test: install           ## the whole test suite (real brokers, real Spark, real Delta files)
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+install: system-deps $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	@touch $(STAMP)
+
+system-deps:
+	@missing=""; \
+	command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || missing="$$missing mosquitto"; \
+	command -v java >/dev/null 2>&1 || missing="$$missing openjdk-17-jre-headless"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+bench: install          ## all benchmarks (each prints a last JSON line)
+	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
+
+airflow: install        ## local Airflow (SQLite, our DAGs) under <data_root>/airflow
+	bash infra/airflow.sh
+
+dashboard: install      ## ops dashboard on http://127.0.0.1:8050
+	$(BIN)/iotlake dashboard
+
+clean:
+	rm -rf data .pytest_cache

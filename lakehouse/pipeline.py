@@ -1,0 +1,96 @@
+"""Start, watch and stop the layer streams: bronze -> silver -> gold.
+
+One Spark session runs the three streaming queries; each has its own checkpoint under the data
+root, so any of them can be stopped, killed and restarted without loss or duplication.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from lakehouse.delta_source import latest_version
+from lakehouse.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LAYERS = ("bronze", "silver", "gold")
+
+
+def _starters() -> dict[str, Callable[..., StreamingQuery]]:
+    import bronze.stream
+    import gold.windows
+    import silver.stream
+
+    return {"bronze": bronze.stream.start, "silver": silver.stream.start, "gold": gold.windows.start}
+
+
+def start_layers(spark: SparkSession, settings: Settings, layers: tuple[str, ...] = LAYERS,
+                 trigger: str = "live") -> dict[str, StreamingQuery]:
+    starters = _starters()
+    unknown = [name for name in layers if name not in starters]
+    if unknown:
+        raise ValueError(f"unknown layer(s) {unknown}: choose from {', '.join(LAYERS)}")
+    return {name: starters[name](spark, settings, trigger=trigger) for name in layers}
+
+
+def _end_version(q: StreamingQuery) -> int | None:
+    p = q.lastProgress
+    if not p or not p.get("sources"):
+        return None
+    end = p["sources"][0].get("endOffset")
+    if isinstance(end, str):
+        end = json.loads(end)
+    return end.get("version") if isinstance(end, dict) else None
+
+
+def check_alive(queries: dict[str, StreamingQuery]) -> None:
+    for name, q in queries.items():
+        if not q.isActive:
+            err = q.exception()
+            raise RuntimeError(f"{name} stream stopped: {err}" if err else f"{name} stream stopped")
+
+
+def delta_caught_up(q: StreamingQuery, upstream_path: str) -> bool:
+    """A Delta-sourced query has read its upstream's latest version and is idle."""
+    v = _end_version(q)
+    return v is not None and v >= latest_version(upstream_path) and not q.status["isDataAvailable"] \
+        and not q.status["isTriggerActive"]
+
+
+@dataclass
+class Running:
+    spark: SparkSession
+    settings: Settings
+    queries: dict[str, StreamingQuery] = field(default_factory=dict)
+
+    def wait_caught_up(self, bronze_rows: Callable[[], int], expected_bronze: int,
+                       timeout: float = 600.0) -> None:
+        """Block until bronze holds ``expected_bronze`` rows and silver and gold read it all."""
+        deadline = time.monotonic() + timeout
+        s = self.settings
+        while time.monotonic() < deadline:
+            check_alive(self.queries)
+            if bronze_rows() >= expected_bronze:
+                silver_ok = "silver" not in self.queries or delta_caught_up(
+                    self.queries["silver"], s.table_path("bronze"))
+                gold_ok = "gold" not in self.queries or delta_caught_up(
+                    self.queries["gold"], s.table_path("silver"))
+                if silver_ok and gold_ok:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"pipeline did not catch up within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        for name in reversed(list(self.queries)):
+            q = self.queries[name]
+            try:
+                q.stop()
+            except Exception as e:  # noqa: BLE001 - stopping must go on for the others
+                log.warning("stopping %s: %s", name, e)

@@ -1,0 +1,193 @@
+"""``iotlake run`` (the live pipeline) and ``iotlake demo`` (a bounded, self-checking run).
+
+Both start what the settings do not point elsewhere (embedded Mosquitto and Tansu), the
+MQTT -> Kafka bridge and the bronze -> silver -> gold streams, and stop all of it on Ctrl-C or
+SIGTERM. ``--role`` runs one piece per process, for deployments with one process per pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+from lakehouse.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ROLES = ("all", "bridge", "streams", "bronze", "silver", "gold")
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM/SIGINT set ``stop`` so shutdown is orderly (queries stopped, brokers closed)."""
+    previous = {}
+
+    def handler(signum, _frame):
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+@contextlib.contextmanager
+def bridge_thread(settings: Settings, wait_subscribed: float = 30.0) -> Iterator[object]:
+    from ingest.bridge import Bridge
+
+    bridge = Bridge(settings)
+    stop = threading.Event()
+    t = threading.Thread(target=bridge.run, args=(stop,), name="bridge", daemon=True)
+    t.start()
+    if not bridge.subscribed.wait(wait_subscribed):
+        stop.set()
+        raise RuntimeError(f"bridge did not subscribe to MQTT at {settings.mqtt_endpoint} "
+                           f"within {wait_subscribed:.0f}s")
+    try:
+        yield bridge
+    finally:
+        stop.set()
+        t.join(30)
+
+
+def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: int = 100,
+        stop: threading.Event | None = None) -> int:
+    """Run until ``stop`` is set (or a signal arrives)."""
+    from lakehouse.pipeline import LAYERS, Running, check_alive, start_layers
+    from lakehouse.services import embedded_services
+
+    stop = stop or threading.Event()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_stop_on_signals(stop))
+        if role == "all":
+            stack.enter_context(embedded_services(settings))
+        if role in ("all", "bridge"):
+            stack.enter_context(bridge_thread(settings))
+        running = None
+        layers = LAYERS if role in ("all", "streams") else (role,) if role in LAYERS else ()
+        if layers:
+            from lakehouse.spark import spark_session
+
+            spark = spark_session(settings, app_name=f"iotlake-{role}")
+            running = Running(spark, settings, start_layers(spark, settings, layers))
+            stack.callback(running.stop)
+        if simulate > 0:
+            from ingest.simulator import run_forever
+
+            sim_stop = threading.Event()
+            t = threading.Thread(target=run_forever, args=(settings, simulate, devices, sim_stop),
+                                 name="simulator", daemon=True)
+            t.start()
+            stack.callback(lambda: (sim_stop.set(), t.join(10)))
+        log.info("iotlake running (role=%s); Ctrl-C to stop", role)
+        while not stop.wait(1.0):
+            if running:
+                check_alive(running.queries)
+    log.info("iotlake stopped")
+    return 0
+
+
+def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | None = None,
+         malformed: int | None = None, timeout: float = 600.0) -> dict:
+    """Publish ``events`` simulated messages end to end and account for every one of them."""
+    from ingest.simulator import generate, publish
+    from lakehouse.pipeline import Running, start_layers
+    from lakehouse.services import embedded_services
+    from lakehouse.spark import spark_session
+
+    duplicates = events // 40 if duplicates is None else duplicates
+    malformed = events // 100 if malformed is None else malformed
+    t0 = time.monotonic()
+    with embedded_services(settings), bridge_thread(settings):
+        spark = spark_session(settings, app_name="iotlake-demo")
+        running = Running(spark, settings, start_layers(spark, settings))
+        try:
+            messages = generate(settings, events, devices=devices, duplicates=duplicates,
+                                malformed=malformed)
+            published = publish(settings, messages)
+            bronze_path = settings.table_path("bronze")
+            running.wait_caught_up(lambda: _rows(bronze_path), published, timeout)
+        finally:
+            running.stop()
+    q = _quality_totals(settings)
+    result = {
+        "published": published,
+        "bronze_rows": _rows(settings.table_path("bronze")),
+        "silver_rows": _rows(settings.table_path("silver")),
+        "quarantine_rows": _rows(settings.table_path("quarantine")),
+        "duplicates_dropped": q.get("duplicates", 0),
+        "late_quarantined": q.get("late", 0),
+        "gold_rows": _rows(settings.table_path("gold_metrics_1m")),
+        "seconds": round(time.monotonic() - t0, 2),
+    }
+    result["ok"] = (result["bronze_rows"] == published and result["silver_rows"]
+                    + result["quarantine_rows"] + result["duplicates_dropped"] == result["bronze_rows"])
+    return result
+
+
+def _rows(path: str) -> int:
+    from deltalake import DeltaTable
+
+    from lakehouse.delta_io import table_exists
+
+    if not table_exists(path):
+        return 0
+    return DeltaTable(path).to_pyarrow_dataset().count_rows()
+
+
+def _quality_totals(settings: Settings) -> dict[str, int]:
+    from lakehouse.delta_io import read_table, table_exists
+
+    path = settings.table_path("quality_log")
+    if not table_exists(path):
+        return {}
+    t = read_table(path).to_pandas()
+    t = t[t["kind"] == "counter"]
+    totals: dict[str, int] = {}
+    for name, details in zip(t["expectation"], t["details"], strict=True):
+        totals[name] = totals.get(name, 0) + json.loads(details)["count"]
+    return totals
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run the pipeline (brokers, bridge, bronze/silver/gold streams)")
+    p.add_argument("--role", choices=ROLES, default="all",
+                   help="run one piece per process (default: all in this process)")
+    p.add_argument("--simulate", type=float, default=0.0, metavar="RATE",
+                   help="also publish simulated telemetry at RATE messages/s")
+    p.add_argument("--devices", type=int, default=100, help="simulated devices (with --simulate)")
+    p.set_defaults(func=lambda a, s: run(s, a.role, a.simulate, a.devices))
+
+    d = sub.add_parser("demo", help="publish N simulated events end to end and check every layer")
+    d.add_argument("--events", type=_positive, default=2000)
+    d.add_argument("--devices", type=_positive, default=10)
+    d.add_argument("--duplicates", type=int, default=None, help="default: events/40")
+    d.add_argument("--malformed", type=int, default=None, help="default: events/100")
+    d.add_argument("--timeout", type=float, default=600.0)
+    d.set_defaults(func=_demo_cmd)
+
+
+def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
+    result = demo(settings, args.events, args.devices, args.duplicates, args.malformed, args.timeout)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {v})")
+    return v

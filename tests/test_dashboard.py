@@ -1,0 +1,182 @@
+"""The dashboard against a real lakehouse: JSON API over HTTP, then a real Chromium via Playwright."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from dashboard.app import create_app
+from lakehouse.query import run_query
+from lakehouse.settings import Settings, load_settings
+from tests.lakehouse_fixture import build_lakehouse, write
+
+TOKEN = "test-token-123"
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings, dict[str, Any]]]:
+    """A lakehouse plus the dashboard serving it over HTTP on a free loopback port."""
+    settings = load_settings(environ={}, data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
+    facts = build_lakehouse(settings, devices=60, hours=2)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, token=TOKEN, check_every=0.0),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "dashboard did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", settings, facts
+    server.should_exit = True
+    thread.join(10)
+
+
+def get(base: str, path: str, token: str | None = TOKEN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.get(base + path, headers=headers, timeout=10)
+
+
+def test_api(served) -> None:
+    base, settings, facts = served
+    assert get(base, "/api/fleet", token=None).status_code == 401
+    assert get(base, "/api/fleet", token="wrong").status_code == 401
+    assert get(base, "/healthz", token=None).json() == {"status": "ok"}
+
+    fleet = get(base, "/api/fleet").json()
+    assert fleet["by_status"] == facts["fleet"] and fleet["total"] == facts["devices"]
+
+    page = get(base, "/api/devices?size=7&page=2").json()
+    assert page["total"] == 60 and [d["device_id"] for d in page["items"]] == [
+        f"dev-{i:04d}" for i in range(7, 14)]
+    offline = get(base, "/api/devices?status=offline&q=DEV-00&size=500").json()
+    assert offline["total"] == facts["fleet"]["offline"]
+    assert {d["status"] for d in offline["items"]} == {"offline"}
+    assert all(d["status_since"].endswith("Z") for d in offline["items"])
+
+    an = facts["anomaly"]
+    dev = get(base, f"/api/device/{an['device_id']}?hours=2").json()
+    assert dev["device"]["status"] == facts["status"][an["device_id"]]
+    assert [(a["metric"], a["event_time"], a["value"]) for a in dev["anomalies"]] == [
+        ("temperature", an["event_time"].isoformat().replace("+00:00", "Z"), 95.0)]
+    assert len(dev["series"]["temperature"]["t"]) == 121  # a 1-minute window per minute, both ends
+    assert len(dev["points"]["humidity"]["v"]) == 361  # every 20 s for 2 h, both ends included
+    assert max(dev["series"]["temperature"]["max"]) == 95.0
+    assert get(base, "/api/device/dev-9999").status_code == 404
+    assert get(base, "/api/device/dev-0001?hours=0").status_code == 422
+
+    events = get(base, "/api/events").json()
+    changed = {e["device_id"]: e["status"] for e in events["status_changes"]}
+    assert changed == {d: s for d, s in facts["status"].items() if s != "online"}
+    assert [a["device_id"] for a in events["anomalies"]] == [an["device_id"]]
+
+    pipe = get(base, "/api/pipeline").json()
+    assert [q["query_name"] for q in pipe["queries"]] == ["bronze", "gold", "silver"]
+    assert pipe["queries"][0]["batch_id"] == 9 and pipe["queries"][0]["lag"] == 9
+    rates = {q["expectation"]: q["quarantine_rate"] for q in pipe["quality"]}
+    assert rates["device_id_not_null"] == 0
+    assert rates["temperature_in_range"] == pytest.approx(facts["quarantine_rate"])
+
+
+def test_reloads_only_on_new_version(served) -> None:
+    base, settings, facts = served
+    before = get(base, "/api/fleet").json()
+    assert get(base, "/api/fleet").json() == before  # same version: memoised answer
+    row = run_query(settings, "SELECT * FROM device_current WHERE device_id = 'dev-0000'")
+    row = row.set_column(0, "device_id", [["dev-new"]])
+    write(settings, "device_current", row, mode="append")
+    after = get(base, "/api/fleet").json()
+    assert after["version"] == before["version"] + 1 and after["total"] == facts["devices"] + 1
+    # Put the fleet back as it was for the browser test (a new version again).
+    write(settings, "device_current",
+          run_query(settings, "SELECT * FROM device_current WHERE device_id <> 'dev-new'"),
+          mode="overwrite")
+    assert get(base, "/api/fleet").json()["by_status"] == facts["fleet"]
+
+
+def _chromium() -> str | None:
+    for candidate in ("/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def test_browser_shows_fleet_device_and_anomaly(served) -> None:
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no Chromium found (/usr/bin/chromium); install it with: apt-get install -y chromium")
+    from playwright.sync_api import sync_playwright
+
+    base, _, facts = served
+    an = facts["anomaly"]
+    offline = next(d for d, s in facts["status"].items() if s == "offline")
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{base}/#token={TOKEN}")
+            page.wait_for_selector('[data-count="online"]')
+            assert page.url == f"{base}/"  # the token left the address bar
+            shown = {s: page.text_content(f'[data-count="{s}"]') for s in facts["fleet"]}
+            assert shown == {s: str(n) for s, n in facts["fleet"].items()}
+            assert page.text_content('[data-count="total"]') == str(facts["devices"])
+
+            page.fill("#q", offline)
+            page.wait_for_function("document.querySelectorAll('#devices tr').length === 1")
+            assert page.text_content(f'#devices tr[data-device="{offline}"] [data-status]') == "offline"
+            page.click(f'#devices tr[data-device="{offline}"]')
+            page.wait_for_selector(f'#device-title[data-device="{offline}"]')
+            assert page.text_content("#device-status") == "offline"
+
+            page.fill("#q", an["device_id"])
+            page.wait_for_selector(f'#devices tr[data-device="{an["device_id"]}"]')
+            page.click(f'#devices tr[data-device="{an["device_id"]}"]')
+            page.wait_for_selector(f'#device-title[data-device="{an["device_id"]}"]')
+            assert page.text_content("#device-status") == facts["status"][an["device_id"]]
+            marker = page.wait_for_selector('figure[data-metric="temperature"] .anomaly-marker')
+            when = an["event_time"].isoformat().replace("+00:00", "Z")
+            assert marker.get_attribute("data-anomaly") == when
+            assert page.locator(".anomaly-marker").count() == 1
+            assert page.locator('figure[data-metric="temperature"] .pt').count() > 100
+            assert page.locator("#anomaly-events li[data-event=anomaly]").count() == 1
+            assert page.locator("#queries tr").count() == 3
+            assert page.locator("#status-events li[data-event=status]").count() == sum(
+                n for s, n in facts["fleet"].items() if s != "online")
+
+            page.fill("#q", "")  # a full device list for the screenshot; the selection stays
+            page.wait_for_function("document.querySelectorAll('#devices tr').length === 25")
+            assert page.locator("#devices tr.selected").get_attribute("data-device") == an["device_id"]
+            time.sleep(0.3)  # let the last paint settle before the screenshot
+            out = REPO / "test-artifacts" / "dashboard.png"
+            out.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(out), full_page=True)
+        finally:
+            browser.close()
+    assert not errors, errors
+    docs = REPO / "docs" / "dashboard.png"
+    if not docs.exists() or os.environ.get("UPDATE_DOCS_SCREENSHOT") == "1":
+        docs.parent.mkdir(exist_ok=True)
+        shutil.copyfile(out, docs)
+    assert out.stat().st_size > 20_000
