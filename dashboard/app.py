@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from lakehouse.query import arrow_dataset
 from lakehouse.settings import Settings
 from lakehouse.tables import METRICS
 
@@ -85,7 +86,7 @@ class TableCache:
                 if dt.version() == entry.snap.version:
                     entry.checked = now
                     return entry.snap
-            snap = Snapshot(dt.version(), dt, dt.to_pyarrow_dataset())
+            snap = Snapshot(dt.version(), dt, arrow_dataset(dt))
             self._entries[name] = _Entry(snap, now)
             return snap
 

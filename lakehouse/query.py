@@ -13,6 +13,8 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
 from lakehouse.settings import Settings
@@ -56,6 +58,16 @@ def open_table(settings: Settings, name: str, as_of_version: int | None = None,
     return dt
 
 
+def arrow_dataset(dt: DeltaTable) -> ds.Dataset:
+    """Lazy Arrow dataset of a table version; local tables are read with Arrow's native file
+    system (delta-rs' default goes through a Python file-system shim)."""
+    uri = dt.table_uri
+    if uri.startswith("file://") or "://" not in uri:
+        root = uri.removeprefix("file://")
+        return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()))
+    return dt.to_pyarrow_dataset()
+
+
 def run_query(settings: Settings, sql: str, as_of_version: int | None = None,
               as_of_timestamp: str | None = None) -> pa.Table:
     """Run DuckDB SQL over the lakehouse tables; time travel applies to every table referenced."""
@@ -67,7 +79,7 @@ def run_query(settings: Settings, sql: str, as_of_version: int | None = None,
         for name in referenced_tables(sql):
             if name in existing_tables(settings):
                 dt = open_table(settings, name, as_of_version, as_of_timestamp)
-                con.register(name, dt.to_pyarrow_dataset())
+                con.register(name, arrow_dataset(dt))
         try:
             rel = con.sql(sql)
             return rel.to_arrow_table() if rel is not None else pa.table({})

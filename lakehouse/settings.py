@@ -143,6 +143,14 @@ class Settings(_Section):
             return self.mqtt.host, self.mqtt.port or 1883
         return "127.0.0.1", self.mqtt.embedded_port
 
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write these settings as JSON (readable by ``load_settings``) for child processes."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(self.model_dump_json(indent=1))
+        p.chmod(0o600)  # may hold credentials
+        return p
+
     def redacted(self) -> dict[str, Any]:
         """Settings as a dict safe to log: secrets replaced."""
         d = self.model_dump()
@@ -211,9 +219,10 @@ def load_settings(
     data: dict[str, Any] = {}
     if file.exists():
         try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise SettingsError(f"{file}: invalid TOML: {e}") from e
+            text = file.read_text()
+            data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise SettingsError(f"{file}: invalid {file.suffix.lstrip('.').upper() or 'TOML'}: {e}") from e
     elif path is not None or "IOTLAKE_CONFIG" in environ:
         raise SettingsError(f"settings file {file} does not exist (set IOTLAKE_CONFIG or create it)")
     _merge(data, _env_overrides(environ))

@@ -46,11 +46,12 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
     start = now - timedelta(hours=hours)
     ids = device_ids(devices)
     status = [STATUSES[i % 3] if i % 5 else "online" for i in range(devices)]
-    status[ANOMALY_DEVICE_INDEX] = "online"
+    anomaly_index = min(ANOMALY_DEVICE_INDEX, devices - 1)
+    status[anomaly_index] = "online"
     # Offline devices went silent 20-60 min ago; the others report until now.
     last = {d: now - timedelta(minutes=int(rng.integers(20, 60))) if s == "offline" else now
             for d, s in zip(ids, status, strict=True)}
-    anomaly_dev = ids[ANOMALY_DEVICE_INDEX]
+    anomaly_dev = ids[anomaly_index]
     anomaly_time = now - timedelta(minutes=30)
 
     # ---- silver: one event per device every 20 s ------------------------------------------

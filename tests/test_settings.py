@@ -1,0 +1,67 @@
+"""Settings fail fast and say which key is wrong; a taken port gives a clear error."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from lakehouse.cli import main
+from lakehouse.services import ServiceError, tansu_service
+from lakehouse.settings import SettingsError, load_settings
+
+
+def test_defaults_and_env_overrides(tmp_path: Path) -> None:
+    cfg = tmp_path / "iotlake.toml"
+    cfg.write_text('data_root = "/tmp/x"\n[kafka]\ntopic = "t1"\n[stream]\nwatermark_seconds = 60\n')
+    s = load_settings(cfg, environ={"IOTLAKE_KAFKA__TOPIC": "t2", "IOTLAKE_SPARK__MASTER": "local[1]"})
+    assert s.kafka.topic == "t2"  # env beats file
+    assert s.stream.watermark_seconds == 60
+    assert s.spark.master == "local[1]"
+    assert s.table_path("silver") == "/tmp/x/tables/silver"
+    assert load_settings(environ={}).spark.master == "local[*]"
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    cfg = tmp_path / "iotlake.toml"
+    cfg.write_text("[kafka]\ntopik = 'x'\n")
+    with pytest.raises(SettingsError, match=r"unknown setting 'kafka.topik'"):
+        load_settings(cfg, environ={})
+
+
+def test_bad_value_is_named() -> None:
+    with pytest.raises(SettingsError, match=r"setting 'stream.watermark_seconds'"):
+        load_settings(environ={"IOTLAKE_STREAM__WATERMARK_SECONDS": "ten minutes"})
+    with pytest.raises(SettingsError, match=r"setting 'kafka.partitions'"):
+        load_settings(environ={}, kafka={"partitions": 0})
+
+
+def test_password_never_echoed() -> None:
+    with pytest.raises(SettingsError) as e:
+        load_settings(environ={"IOTLAKE_MQTT__PASSWORD": "[1,2]"})
+    assert "1,2" not in str(e.value)
+
+
+def test_missing_config_file_and_cli_exit_code(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml", environ={})
+    assert main(["--config", str(tmp_path / "nope.toml"), "demo"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bad_cli_argument_exits_2(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--events", "-5"])
+    assert e.value.code == 2
+    assert "must be > 0" in capsys.readouterr().err
+
+
+def test_taken_port_gives_clear_error(tmp_path: Path) -> None:
+    s = load_settings(environ={}, data_root=str(tmp_path))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(ServiceError, match=rf"port {port} is already in use"):
+            tansu_service(s, port=port).start()
