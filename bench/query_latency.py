@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--data-root", help="reuse/keep data here (default: a temp dir)")
     args = ap.parse_args()
+    load0 = round(os.getloadavg()[0], 2)  # the machine is shared: say how busy it was
     root = Path(args.data_root or tempfile.mkdtemp(prefix="iotlake-bench-"))
     settings = load_settings(environ={}, data_root=str(root))
     now = datetime.now(UTC).replace(second=0, microsecond=0)
@@ -204,6 +206,8 @@ def main() -> None:
 
     out = {
         "bench": "query_latency",
+        "machine": {"cpus": os.cpu_count(), "loadavg_1m_start": load0,
+                    "loadavg_1m_end": round(os.getloadavg()[0], 2)},
         "data": {"devices": args.devices, "days": args.days, "gold_window": "1h",
                  "why": "10k devices x 7 d of 1-minute windows x 3 metrics = 302M rows (~10 GB): too big "
                         "to generate on a shared 2-core box; hourly windows keep the fleet size and week",

@@ -114,7 +114,6 @@ class Bridge:
 
     def _mqtt_client(self) -> mqtt.Client:
         c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True)
-        c.max_inflight_messages_set(1000)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
@@ -163,10 +162,13 @@ class Bridge:
     def _on_message(self, client, userdata, msg: mqtt.MQTTMessage) -> None:
         c = self._c
         c["received"] += 1
-        topic = msg.topic
+        try:
+            topic = msg.topic
+        except UnicodeDecodeError:  # brokers should reject these; never crash on them
+            topic = msg._topic.decode("utf-8", "replace")
         payload = msg.payload
         headers = [
-            ("mqtt_topic", topic.encode()),
+            ("mqtt_topic", msg._topic),
             ("qos", b"%d" % msg.qos),
             ("retain", b"1" if msg.retain else b"0"),
             ("received_at", b"%d" % (time.time_ns() // 1_000_000)),

@@ -207,6 +207,7 @@ class _Publisher:
         self.slots = threading.BoundedSemaphore(max_inflight)
         self.acked = 0
         self.connected = threading.Event()
+        self.refused = ""
         self.client = mqtt_client(settings, protocol=mqtt.MQTTv311)
         self.client.max_inflight_messages_set(max_inflight)
         self.client.max_queued_messages_set(0)
@@ -215,13 +216,14 @@ class _Publisher:
         host, port = settings.mqtt_endpoint
         self.client.connect(host, port, keepalive=30)
         self.client.loop_start()
-        if not self.connected.wait(30):
+        if not self.connected.wait(30) or self.refused:
             self.close()
-            raise ConnectionError(f"MQTT broker {host}:{port} did not accept the connection")
+            raise ConnectionError(f"MQTT broker {host}:{port} refused the connection: "
+                                  f"{self.refused or 'no answer within 30s'}")
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if not reason_code.is_failure:
-            self.connected.set()
+        self.refused = str(reason_code) if reason_code.is_failure else ""
+        self.connected.set()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         self.acked += 1

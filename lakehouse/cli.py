@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "silver.cli",
     "lakehouse.query_cli",
     "dashboard.cli",
+    "ingest.cli",
 ]
 
 

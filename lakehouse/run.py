@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 
 from lakehouse.settings import Settings
 
@@ -98,7 +99,8 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
 
 
 def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | None = None,
-         malformed: int | None = None, timeout: float = 600.0) -> dict:
+         malformed: int | None = None, timeout: float = 600.0, start: datetime | None = None,
+         seed: int = 0) -> dict:
     """Publish ``events`` simulated messages end to end and account for every one of them."""
     from ingest.simulator import generate, publish
     from lakehouse.pipeline import Running, start_layers
@@ -113,7 +115,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
         running = Running(spark, settings, start_layers(spark, settings))
         try:
             messages = generate(settings, events, devices=devices, duplicates=duplicates,
-                                malformed=malformed)
+                                malformed=malformed, seed=seed, start=start)
             published = publish(settings, messages)
             bronze_path = settings.table_path("bronze")
             running.wait_caught_up(lambda: _rows(bronze_path), published, timeout)

@@ -148,7 +148,7 @@ class SilverBatchWriter:
                      self.app_id, batch_id)
 
     def _quarantine(self, rows: pa.Table, now: datetime) -> pa.Table:
-        reason = pc.binary_join(rows.column("reasons"), ",")
+        reason = pc.binary_join(rows.column("reasons").cast(pa.list_(pa.string())), ",")
         cols = {n: rows.column(n) for n in QUARANTINE.names if n in rows.column_names}
         cols["reason"] = reason
         cols["quarantined_at"] = pa.array([now] * rows.num_rows, pa.timestamp("us", tz="UTC"))

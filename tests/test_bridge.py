@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -235,3 +236,143 @@ def test_backpressure_when_kafka_down(settings, services_settings):
         assert stats["in_flight"] == 0 and stats["acked"] == 600
     finally:
         tansu.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_metrics_endpoint(settings):
+    import urllib.request
+
+    port = _free_port()
+    s = derive(settings, bridge={"metrics_port": port})
+    msgs = generate(s, 50, seed=3)
+    with running(Bridge(s, "b-metrics")) as b:
+        publish(s, msgs)
+        deadline = time.monotonic() + 20
+        while b.stats["acked"] < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'iotlake_bridge_received_total{bridge_id="b-metrics"} 50.0' in text
+    assert 'iotlake_bridge_delivered_total{bridge_id="b-metrics"} 50.0' in text
+    assert 'iotlake_bridge_in_flight{bridge_id="b-metrics"} 0.0' in text
+    assert 'iotlake_bridge_delivery_latency_seconds_count{bridge_id="b-metrics"} 50.0' in text
+    for name in ("failed_total", "dead_lettered_total", "reconnects_total", "acked_total"):
+        assert f"iotlake_bridge_{name}" in text
+
+
+def test_cli_instances(settings, tmp_path):
+    """`iotlake bridge --instances 2`: two supervised processes, each message delivered once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+    host, port = settings.mqtt_endpoint
+    env.update({
+        "IOTLAKE_KAFKA__BOOTSTRAP": settings.kafka_bootstrap, "IOTLAKE_KAFKA__TOPIC": settings.kafka.topic,
+        "IOTLAKE_KAFKA__DEAD_LETTER_TOPIC": settings.kafka.dead_letter_topic,
+        "IOTLAKE_MQTT__HOST": host, "IOTLAKE_MQTT__PORT": str(port),
+        "IOTLAKE_MQTT__CLIENT_ID": settings.mqtt.client_id,
+        "IOTLAKE_MQTT__TOPIC_FILTER": settings.mqtt.topic_filter,
+        "IOTLAKE_BRIDGE__SHARE_GROUP": f"cli{settings.kafka.topic}",
+    })
+    log = tmp_path / "cli.log"
+    with open(log, "ab") as out:
+        p = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "--data-root", str(tmp_path / "d"),
+                              "bridge", "--instances", "2"], env=env, cwd=tmp_path,
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_log(p, log, lambda text: text.count("subscribed to $share/") == 2)
+        msgs = generate(settings, 1000, devices=20, seed=11)
+        assert publish(settings, msgs) == 1000
+        got = consume(settings, settings.kafka.topic, expect=1000)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(30)
+    assert rc == 0, log.read_text()
+    assert Counter(ids_of(got)) == Counter({m.event_id: 1 for m in msgs})
+    ids = {dict(r.headers())["bridge_id"].decode() for r in got}
+    assert ids == {f"{settings.mqtt.client_id}-0", f"{settings.mqtt.client_id}-1"}
+    assert log.read_text().count("stopped: {") == 2
+
+
+def _make_certs(d: Path) -> dict[str, str]:
+    """A CA, a server cert for 127.0.0.1 and a client cert (files in ``d``)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def cert(name, key, issuer, issuer_key, ca=False, san=None):
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+             .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    out = {}
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "iotlake-test-ca")])
+    ca = cert("iotlake-test-ca", ca_key, ca_name, ca_key, ca=True)
+    for name, c, k in [("ca", ca, ca_key)] + [
+        (n, cert(n, key, ca_name, ca_key, san=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                  x509.DNSName("localhost")]), key)
+        for n, key in (("server", ec.generate_private_key(ec.SECP256R1())),
+                       ("client", ec.generate_private_key(ec.SECP256R1())))
+    ]:
+        (d / f"{name}.crt").write_bytes(c.public_bytes(serialization.Encoding.PEM))
+        (d / f"{name}.key").write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+        out[name] = str(d / f"{name}.crt")
+        out[f"{name}_key"] = str(d / f"{name}.key")
+    return out
+
+
+def test_tls_auth_and_broker_restart(settings, tmp_path, caplog):
+    """MQTT over TLS with client certs and a password; survives a broker restart; no secret logged."""
+    from lakehouse.services import mosquitto_service, port_in_use
+
+    port = settings.mqtt_endpoint[1] + 11
+    if port_in_use(port):
+        pytest.skip(f"port {port} busy")
+    certs = _make_certs(tmp_path)
+    secret = "s3cret-Pa55word"
+    (tmp_path / "pw").write_text(f"{secret}\n")
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(tmp_path / "passwd"), "bridge", secret], check=True)
+    extra = (f"cafile {certs['ca']}\ncertfile {certs['server']}\nkeyfile {certs['server_key']}\n"
+             f"require_certificate true\npassword_file {tmp_path / 'passwd'}\n"
+             "user root\n")  # as root mosquitto would drop to a user that cannot read tmp_path
+    s = derive(settings, mqtt={"port": port, "username": "bridge", "password": secret,
+                               "tls_ca": certs["ca"], "tls_cert": certs["client"],
+                               "tls_key": certs["client_key"]})
+    broker = mosquitto_service(s, port, extra_conf=extra).start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        first, second = generate(s, 400, seed=21)[:200], generate(s, 400, seed=21)[200:]
+        with running(Bridge(s, "b-tls")) as b:
+            assert publish(s, first) == 200
+            assert len(consume(s, s.kafka.topic, expect=200)) == 200
+            broker.stop()
+            broker = mosquitto_service(s, port, extra_conf=extra).start()
+            deadline = time.monotonic() + 30
+            while not (b.stats["reconnects"] >= 1 and b.stats["connected"]):
+                assert time.monotonic() < deadline, b.stats
+                time.sleep(0.1)
+            assert publish(s, second) == 200
+            got = consume(s, s.kafka.topic, expect=400)
+        assert Counter(ids_of(got)) == Counter({m.event_id: 1 for m in first + second})
+        wrong = derive(s, mqtt={"password": "nope"})
+        with pytest.raises(ConnectionError):
+            publish(wrong, first[:1])
+    finally:
+        broker.stop()
+    assert secret not in caplog.text and "nope" not in caplog.text

@@ -41,7 +41,8 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    full = {**os.environ, **env}
+    # IOTLAKE_* variables (e.g. the suite's IOTLAKE_TEST_*_PORT) would be read as settings.
+    full = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")} | env
     subprocess.run([AIRFLOW, "db", "migrate"], env=full, check=True, capture_output=True,
                    timeout=120)
     yield full

@@ -224,7 +224,7 @@ def test_unreadable_suite(tmp_path):
         load_suite(broken)
 
 
-def test_columns_only_used_expressions(df, suite):
+def test_failures_column_is_plain_catalyst(df, suite):
     """One projection, no Python UDF: the failures column is a plain Catalyst expression."""
     plan = df.select(failed_expectations(suite))._jdf.queryExecution().executedPlan().toString()
     assert "BatchEvalPython" not in plan and "ArrowEvalPython" not in plan

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -56,7 +57,9 @@ def assert_gold_matches(settings: Settings, messages) -> None:
 
 def test_end_to_end_exact_counts_and_gold(settings: Settings, spark) -> None:
     """2,000 events with 50 duplicates and 20 malformed: every layer's count to the row."""
-    result = demo(settings, events=2000, devices=20, duplicates=50, malformed=20, timeout=300)
+    start = datetime.now(UTC).replace(microsecond=0)
+    result = demo(settings, events=2000, devices=20, duplicates=50, malformed=20, timeout=300,
+                  start=start)
     assert result["published"] == 2000
     assert result["bronze_rows"] == 2000
     assert result["silver_rows"] == 1930
@@ -67,11 +70,13 @@ def test_end_to_end_exact_counts_and_gold(settings: Settings, spark) -> None:
     silver = rows(settings, "silver")
     assert silver["event_id"].is_unique
     quarantine = rows(settings, "quarantine")
-    assert set(quarantine["reason"]) <= {"not_json", "missing_event_id", "missing_ts",
-                                         "missing_event_id,missing_ts"}
+    # structural reason first, then every suite expectation the row failed
+    assert set(quarantine["reason"]) <= {"not_json", "missing_event_id,event_id_not_null",
+                                         "missing_ts,event_time_not_null",
+                                         "missing_event_id,missing_ts,event_id_not_null,event_time_not_null"}
     bronze = rows(settings, "bronze")
     # bronze keeps every payload byte for byte, with its Kafka coordinates
-    messages = generate(settings, 2000, devices=20, duplicates=50, malformed=20)
+    messages = generate(settings, 2000, devices=20, duplicates=50, malformed=20, start=start)
     assert sorted(bronze["value"]) == sorted(m.payload for m in messages)
     assert not bronze.duplicated(["partition", "offset"]).any()
     assert_gold_matches(settings, messages)

@@ -1,0 +1,147 @@
+"""``iotlake bridge`` and ``iotlake simulate`` subcommands.
+
+Several bridge instances run as separate processes (the GIL would serialise threads), each with a
+stable client id ``<mqtt.client_id>-<i>`` so the broker keeps each one's session, sharing the
+load through an MQTT v5 shared subscription. Children get settings the same way the parent did
+(config file + IOTLAKE_* env), so secrets are never put on a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from lakehouse.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bridge", help="run the MQTT -> Kafka bridge",
+                              description="Move MQTT telemetry into Kafka without loss.")
+    p.add_argument("--instances", type=int, default=None, metavar="K",
+                   help="bridge processes sharing the load via an MQTT v5 shared subscription "
+                        "(default: bridge.instances)")
+    p.add_argument("--bridge-id", help="stable MQTT client id of this single instance "
+                                       "(default: mqtt.client_id)")
+    p.set_defaults(func=lambda args, settings: run_bridge(args, settings))
+
+    s = subparsers.add_parser("simulate", help="publish simulated device telemetry to MQTT")
+    s.add_argument("--rate", type=float, default=100.0, help="messages per second (default 100)")
+    s.add_argument("--devices", type=int, default=10, help="number of devices (default 10)")
+    s.add_argument("--events", type=int, default=0,
+                   help="publish exactly this many and exit (default: run until Ctrl-C)")
+    s.add_argument("--duplicates", type=float, default=0.0, help="fraction of duplicate re-sends")
+    s.add_argument("--malformed", type=float, default=0.0, help="fraction of malformed payloads")
+    s.add_argument("--late", type=float, default=0.0, help="fraction of late readings")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=lambda args, settings: run_simulator(args, settings))
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _ensure_topics(settings: Settings) -> None:
+    from lakehouse.services import ServiceError, ensure_topics
+
+    try:
+        ensure_topics(settings, timeout=10)
+    except ServiceError as e:  # the bridge itself waits for Kafka (backpressure)
+        log.warning("could not ensure Kafka topics: %s", e)
+
+
+def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
+    instances = args.instances or settings.bridge.instances
+    if instances < 1:
+        raise ValueError("--instances must be >= 1")
+    _ensure_topics(settings)
+    if instances == 1 and settings.bridge.instances == 1:
+        from ingest.bridge import Bridge
+
+        Bridge(settings, args.bridge_id).run(_stop_on_signals())
+        return 0
+    if args.bridge_id:
+        raise ValueError("--bridge-id names one instance; with --instances K the ids are "
+                         "<mqtt.client_id>-0..K-1")
+    return _supervise(args, settings, instances)
+
+
+def _child_env(args: argparse.Namespace, settings: Settings, instances: int, i: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["IOTLAKE_BRIDGE__INSTANCES"] = str(instances)
+    if getattr(args, "config", None):
+        env["IOTLAKE_CONFIG"] = os.path.abspath(args.config)
+    if getattr(args, "data_root", None):
+        env["IOTLAKE_DATA_ROOT"] = args.data_root
+    if settings.bridge.metrics_port:
+        env["IOTLAKE_BRIDGE__METRICS_PORT"] = str(settings.bridge.metrics_port + i)
+    return env
+
+
+def _supervise(args: argparse.Namespace, settings: Settings, instances: int) -> int:
+    """Run K bridge processes; restart one that dies, stop all on SIGTERM/SIGINT."""
+    stop = _stop_on_signals()
+    ids = [f"{settings.mqtt.client_id}-{i}" for i in range(instances)]
+
+    def spawn(i: int) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "ingest.bridge", "--bridge-id", ids[i]]
+        if getattr(args, "verbose", False):
+            argv.append("-v")
+        return subprocess.Popen(argv, env=_child_env(args, settings, instances, i))
+
+    procs = [spawn(i) for i in range(instances)]
+    log.info("started %d bridge instances: %s", instances, ", ".join(ids))
+    code = 0
+    while not stop.wait(0.5):
+        for i, p in enumerate(procs):
+            rc = p.poll()
+            if rc is None:
+                continue
+            if rc == 2:  # configuration error: restarting cannot help
+                log.error("bridge %s rejected its configuration; stopping", ids[i])
+                stop.set()
+                code = 2
+                break
+            log.warning("bridge %s exited with %s; restarting it", ids[i], rc)
+            time.sleep(1.0)
+            procs[i] = spawn(i)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + settings.bridge.shutdown_timeout_seconds + 10
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return code
+
+
+def run_simulator(args: argparse.Namespace, settings: Settings) -> int:
+    from ingest.simulator import generate, publish, run_forever
+
+    if args.rate <= 0 or args.devices < 1:
+        raise ValueError("--rate must be > 0 and --devices >= 1")
+    if args.events:
+        n = args.events
+        msgs = generate(settings, n, devices=args.devices, duplicates=int(n * args.duplicates),
+                        malformed=int(n * args.malformed), late=int(n * args.late),
+                        seed=args.seed, rate=args.rate)
+        print(publish(settings, msgs, rate=args.rate))
+        return 0
+    faults = {"duplicates": args.duplicates, "malformed": args.malformed, "late": args.late,
+              "seed": args.seed}
+    run_forever(settings, args.rate, args.devices, _stop_on_signals(), faults)
+    return 0
