@@ -26,23 +26,23 @@ def iotlake_compaction() -> None:
     @task
     def list_tables() -> list[str]:
         from lakehouse.maintenance import resolve_tables
-        from lakehouse.settings import load_settings
+        from lakehouse.maintenance_cli import task_settings
 
-        return resolve_tables(load_settings())
+        return resolve_tables(task_settings())
 
     @task
     def compact(table: str) -> dict[str, Any]:
         from lakehouse.maintenance import compact
-        from lakehouse.settings import load_settings
+        from lakehouse.maintenance_cli import task_settings
 
-        return compact(load_settings(), [table])[0]
+        return compact(task_settings(), [table])[0]
 
     @task
     def vacuum(table: str) -> dict[str, Any]:
         from lakehouse.maintenance import vacuum
-        from lakehouse.settings import load_settings
+        from lakehouse.maintenance_cli import task_settings
 
-        result = vacuum(load_settings(), [table])[0]
+        result = vacuum(task_settings(), [table])[0]
         return {**result, "deleted": len(result["deleted"])}  # counts only: keep XCom small
 
     @task_group

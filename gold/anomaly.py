@@ -16,7 +16,7 @@ Method: an ensemble (max) of three normalised surprises, each >= 1 meaning "anom
   normal, and still notices an unusual *drop*. After ``shift_readings`` consecutive same-sign
   exceedances the level (and the slow baseline) re-baselines to the new value: a level shift is
   reported once, then it is the new normal.
-- **slow** (drifts, contextual / seasonal anomalies): the robust level ``L`` against a slow
+- **slow** (drifts, contextual / seasonal anomalies): a smoother robust level ``M`` against a slow
   baseline plus a time-of-day profile (``season_bins`` bins over ``season_period`` seconds,
   linearly interpolated), in units of its own robust scale (global and per bin). This catches a
   gradual slide that the fast model follows, and a value that is ordinary in itself but wrong
@@ -38,7 +38,7 @@ transition of the seasonal series and every burst of the spiky ones; adding the 
 profile, asymmetric tail-aware scales, the slow drift model and episode-level suppression each
 raised the NAB score (the bench prints the comparison with a windowed Gaussian z-score). The
 defaults were chosen from a plateau of neighbouring settings, not a single best point.
-State: 16 scalars + 4 x ``season_bins`` floats (208 doubles with the defaults).
+State: 17 scalars + 4 x ``season_bins`` floats (209 doubles with the defaults).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class DetectorConfig:
     tail_rate: float = 0.002  # quantile tracker: relative decay per reading
     slow_floor: float = 0.25  # slow boundary >= slow_floor x fast boundary
     level_alpha: float = 0.3  # fast level EWMA weight
+    mid_alpha: float = 0.05  # the slow model watches this smoother robust level (~20 readings)
     scale_alpha: float = 0.01  # fast scale EWMA weight
     baseline_alpha: float = 0.002  # slow baseline EWMA weight (~500 readings)
     slow_scale_alpha: float = 0.005
@@ -76,6 +77,7 @@ class DetectorConfig:
     season_early_visits: float = 2.0  # first visits of a bin learn unclipped
     huber_c: float = 3.0  # residuals clipped at huber_c x scale when learning
     shift_readings: int = 6  # consecutive same-sign fast exceedances = level shift
+    accept_after: int = 288  # consecutive same-sign slow exceedances = new normal (re-baseline)
     flat_min_run: int = 12  # identical readings before a flat-line can be flagged
     flat_factor: float = 2.0  # ... and more than flat_factor x the longest recent run
     flat_decay: float = 0.999  # per-reading decay of the remembered longest run
@@ -85,7 +87,7 @@ class DetectorConfig:
         problems = []
         if not 0.0 < self.threshold < 1.0:
             problems.append("threshold must be in (0, 1)")
-        for name in ("cooldown", "warmup", "shift_readings", "flat_min_run"):
+        for name in ("cooldown", "warmup", "shift_readings", "accept_after", "flat_min_run"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
         if self.season_bins < 1:
@@ -94,7 +96,7 @@ class DetectorConfig:
             problems.append("season_period must be > 0 seconds")
         if not 0.0 < self.tail_quantile < 1.0:
             problems.append("tail_quantile must be in (0, 1)")
-        for name in ("level_alpha", "scale_alpha", "baseline_alpha", "slow_scale_alpha",
+        for name in ("level_alpha", "mid_alpha", "scale_alpha", "baseline_alpha", "slow_scale_alpha",
                      "season_alpha", "season_scale_alpha", "tail_rate"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 problems.append(f"{name} must be in (0, 1]")
@@ -110,6 +112,7 @@ _SCALARS: tuple[str, ...] = (
     "n",  # readings learnt
     "x_last",  # previous reading (flat-line runs)
     "level",  # fast robust level L
+    "mid_level",  # smoother robust level M (input of the slow model)
     "fast_up", "fast_dn",  # fast robust scales (mean absolute deviation, up / down)
     "tail_up", "tail_dn",  # fast residual tail quantiles (up / down)
     "baseline",  # slow baseline B (without the time-of-day profile)
@@ -118,6 +121,7 @@ _SCALARS: tuple[str, ...] = (
     "run_max",  # longest recent run (decayed)
     "since",  # readings below threshold since the last one at/above it
     "streak",  # signed count of consecutive fast exceedances (+ up, - down)
+    "slow_streak",  # signed count of consecutive slow exceedances
     "last_time",  # event time of the last reading (epoch s), informational
 )
 _ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
@@ -146,6 +150,7 @@ class DetectorState:
     n: float = 0.0
     x_last: float = 0.0
     level: float = 0.0
+    mid_level: float = 0.0
     fast_up: float = 0.0
     fast_dn: float = 0.0
     tail_up: float = 0.0
@@ -157,6 +162,7 @@ class DetectorState:
     run_max: float = 0.0
     since: float = 1e18
     streak: float = 0.0
+    slow_streak: float = 0.0
     last_time: float = float("nan")
     season: list[float] = field(default_factory=list)
     season_visits: list[float] = field(default_factory=list)
@@ -281,6 +287,7 @@ def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
     kf, ks = cfg.k_fast, cfg.k_slow
     fq = cfg.tail_factor
     kappa = cfg.slow_floor
+    a_m = cfg.mid_alpha
     a_l, a_f, a_b, a_s = cfg.level_alpha, cfg.scale_alpha, cfg.baseline_alpha, cfg.slow_scale_alpha
     g_s, g_sb = cfg.season_alpha, cfg.season_scale_alpha
     early_v = cfg.season_early_visits
@@ -288,15 +295,16 @@ def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
     q_up = 1.0 + cfg.tail_rate * (1.0 + cfg.tail_quantile) / (1.0 - cfg.tail_quantile)
     warm = cfg.warmup
     shift_m = cfg.shift_readings
+    accept = cfg.accept_after
     flat_min, flat_f, flat_dec = float(cfg.flat_min_run), cfg.flat_factor, cfg.flat_decay
     floor_rel = cfg.scale_floor
 
     # state as locals
     n = st.n
-    xl, lev = st.x_last, st.level
+    xl, lev, mid = st.x_last, st.level, st.mid_level
     f_up, f_dn, t_up, t_dn = st.fast_up, st.fast_dn, st.tail_up, st.tail_dn
     bas, s_up, s_dn = st.baseline, st.slow_up, st.slow_dn
-    run, run_max, streak = st.run, st.run_max, st.streak
+    run, run_max, streak, sstreak = st.run, st.run_max, st.streak, st.slow_streak
     S, C = list(st.season), list(st.season_visits)
     SBf, SBs = list(st.bin_scale_fast), list(st.bin_scale_slow)
 
@@ -310,6 +318,7 @@ def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
         n_out[i] = n
         if n == 0.0:
             lev = xv
+            mid = xv
             bas = xv - seas
             xl = xv
             n = 1.0
@@ -356,13 +365,17 @@ def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
         if shift_m and abs(streak) >= shift_m:
             bas += xv - lev
             lev = xv
+            mid = xv
             streak = 0.0
         else:
             lev += (a_l if a_l > inv else inv) * rfc
+            rm = xv - mid
+            rm = rm if abs(rm) <= limf else (limf if rm > 0.0 else -limf)
+            mid += (a_m if a_m > inv else inv) * rm
 
-        # -- slow model: level vs baseline + time-of-day profile
+        # -- slow model: smoother level vs baseline + time-of-day profile
         base_s = bas + seas
-        rs = lev - base_s
+        rs = mid - base_s
         ars = abs(rs)
         ss = sbs if sbs > fl_ else fl_
         if rs >= 0.0:
@@ -422,7 +435,18 @@ def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
             ms = fl_
         lims = ars if n <= 10.0 else c * (ms if ms > sbs else sbs)
         rsc = rs if ars <= lims else (lims if rs > 0.0 else -lims)
-        bas += (a_b if a_b > inv else inv) * rsc
+        if zsl >= 1.0:
+            if rs > 0.0:
+                sstreak = sstreak + 1.0 if sstreak > 0.0 else 1.0
+            else:
+                sstreak = sstreak - 1.0 if sstreak < 0.0 else -1.0
+        else:
+            sstreak = 0.0
+        if accept and abs(sstreak) >= accept:
+            bas = mid - seas  # a lasting deviation becomes the new normal
+            sstreak = 0.0
+        else:
+            bas += (a_b if a_b > inv else inv) * rsc
         if not (learning and zsl >= 1.0):
             a = a_s if a_s > inv else inv
             if rs >= 0.0:
@@ -477,10 +501,10 @@ def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
         xl = xv
         n += 1.0
 
-    st.n, st.x_last, st.level = n, xl, lev
+    st.n, st.x_last, st.level, st.mid_level = n, xl, lev, mid
     st.fast_up, st.fast_dn, st.tail_up, st.tail_dn = f_up, f_dn, t_up, t_dn
     st.baseline, st.slow_up, st.slow_dn = bas, s_up, s_dn
-    st.run, st.run_max, st.streak = run, run_max, streak
+    st.run, st.run_max, st.streak, st.slow_streak = run, run_max, streak, sstreak
     st.season, st.season_visits, st.bin_scale_fast, st.bin_scale_slow = S, C, SBf, SBs
     return np.asarray(zs_out), np.asarray(base_out), np.asarray(n_out)
 

@@ -92,6 +92,7 @@ class Bridge:
         self.subscribed = threading.Event()
         self._c = dict.fromkeys(("received", "delivered", "dead_lettered", "failed", "acked",
                                  "reconnects"), 0)
+        self._v5 = settings.mqtt.protocol == "5"
         self._producer = Producer(self._producer_config())
         self._client = self._mqtt_client()
 
@@ -113,19 +114,25 @@ class Bridge:
         return conf
 
     def _mqtt_client(self) -> mqtt.Client:
-        c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True)
+        if self._v5:
+            c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True)
+        else:
+            c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv311, manual_ack=True,
+                            clean_session=False)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
         c.on_subscribe = self._on_subscribe
         return c
 
-    def _connect_properties(self) -> Properties:
+    def _connect_kwargs(self) -> dict[str, Any]:
+        if not self._v5:  # v3.1.1: the session persists through clean_session=False
+            return {}
         p = Properties(PacketTypes.CONNECT)
         p.SessionExpiryInterval = self.settings.bridge.session_expiry_seconds
         # The broker sends no more than this many unacked messages: backpressure at the source.
         p.ReceiveMaximum = min(self._max, RECEIVE_MAXIMUM_CAP)
-        return p
+        return {"clean_start": False, "properties": p}
 
     # ---- paho callbacks (same thread as run) ---------------------------------------------
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -139,9 +146,11 @@ class Bridge:
         self._ever_connected = True
         if not flags.session_present:
             log.info("bridge %s: new MQTT session (nothing was queued for us)", self.bridge_id)
-        # retainHandling=1: retained messages only for a new subscription, not on every resume.
-        opts = SubscribeOptions(qos=self.settings.mqtt.qos, retainHandling=1)
-        client.subscribe(self.subscription, options=opts)
+        if self._v5:  # retainHandling=1: retained messages only for a new subscription
+            opts = SubscribeOptions(qos=self.settings.mqtt.qos, retainHandling=1)
+            client.subscribe(self.subscription, options=opts)
+        else:
+            client.subscribe(self.subscription, qos=self.settings.mqtt.qos)
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         bad = [rc for rc in reason_codes if rc.is_failure]
@@ -292,7 +301,7 @@ class Bridge:
                         next_connect = now + self._delay
                         try:
                             client.connect(host, port, keepalive=b.keepalive_seconds,
-                                           clean_start=False, properties=self._connect_properties())
+                                           **self._connect_kwargs())
                         except OSError as ex:
                             log.warning("MQTT %s:%d unreachable (%s); retrying in %.1fs",
                                         host, port, ex, self._delay)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lakehouse.settings import Settings
+from lakehouse.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_guarded(_history))
 
 
+#: IOTLAKE_* variables that are not settings (``load_settings`` reads every other IOTLAKE_<KEY>
+#: as one and rejects unknown keys).
+_NOT_SETTINGS = ("IOTLAKE_BIN", "IOTLAKE_TEST_")
+
+
+def settings_environ() -> dict[str, str]:
+    """``os.environ`` without the iotlake variables that only configure tooling."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_NOT_SETTINGS)}
+
+
+def task_settings() -> Settings:
+    """Settings for a scheduler task: ``$IOTLAKE_CONFIG`` + env, ignoring ``$IOTLAKE_BIN``."""
+    return load_settings(environ=settings_environ())
+
+
 def iotlake_bin() -> str:
     """``$IOTLAKE_BIN``, else the ``iotlake`` script of this interpreter's venv, else PATH.
 
@@ -135,7 +150,8 @@ def run_iotlake(*args: str) -> int:
     """
     cmd = [iotlake_bin(), *args]
     log.info("running %s (IOTLAKE_CONFIG=%s)", cmd, os.environ.get("IOTLAKE_CONFIG", "-"))
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=settings_environ()) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             log.info("%s", line.rstrip())

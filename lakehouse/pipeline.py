@@ -23,12 +23,18 @@ log = logging.getLogger(__name__)
 LAYERS = ("bronze", "silver", "gold")
 
 
-def _starters() -> dict[str, Callable[..., StreamingQuery]]:
+def _starters() -> dict[str, list[tuple[str, Callable[..., StreamingQuery]]]]:
+    """Layer -> its streaming queries (gold has two: window aggregates and device health)."""
     import bronze.stream
+    import gold.health
     import gold.windows
     import silver.stream
 
-    return {"bronze": bronze.stream.start, "silver": silver.stream.start, "gold": gold.windows.start}
+    return {
+        "bronze": [("bronze", bronze.stream.start)],
+        "silver": [("silver", silver.stream.start)],
+        "gold": [("gold", gold.windows.start), ("gold_health", gold.health.start)],
+    }
 
 
 def start_layers(spark: SparkSession, settings: Settings, layers: tuple[str, ...] = LAYERS,
@@ -37,7 +43,8 @@ def start_layers(spark: SparkSession, settings: Settings, layers: tuple[str, ...
     unknown = [name for name in layers if name not in starters]
     if unknown:
         raise ValueError(f"unknown layer(s) {unknown}: choose from {', '.join(LAYERS)}")
-    return {name: starters[name](spark, settings, trigger=trigger) for name in layers}
+    return {name: fn(spark, settings, trigger=trigger)
+            for layer in layers for name, fn in starters[layer]}
 
 
 def _end_version(q: StreamingQuery) -> int | None:
@@ -80,8 +87,8 @@ class Running:
             if bronze_rows() >= expected_bronze:
                 silver_ok = "silver" not in self.queries or delta_caught_up(
                     self.queries["silver"], s.table_path("bronze"))
-                gold_ok = "gold" not in self.queries or delta_caught_up(
-                    self.queries["gold"], s.table_path("silver"))
+                gold_ok = all(delta_caught_up(self.queries[g], s.table_path("silver"))
+                              for g in ("gold", "gold_health") if g in self.queries)
                 if silver_ok and gold_ok:
                     return
             time.sleep(0.5)

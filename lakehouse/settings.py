@@ -54,6 +54,9 @@ class MqttSettings(_Section):
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # Bridge protocol: "5" (broker-side flow control via Receive Maximum, shared subscriptions)
+    # or "3.1.1" (persistent session via clean_session=False; less per-message parsing).
+    protocol: str = Field("5", pattern=r"^(5|3\.1\.1)$")
 
 
 class BridgeSettings(_Section):
@@ -106,6 +109,17 @@ class MaintenanceSettings(_Section):
     zorder: bool = True
 
 
+class GoldSettings(_Section):
+    """Device status rules and anomaly scoring (one configuration for every device)."""
+
+    offline_after_seconds: int = Field(120, ge=1)
+    battery_low: float = Field(15.0, ge=0, le=100)
+    anomaly_score_high: float = Field(0.9, gt=0, le=1)
+    anomaly_threshold: float = Field(0.5, gt=0, lt=1)
+    slide_window_seconds: int = Field(300, ge=60)
+    slide_every_seconds: int = Field(60, ge=60)
+
+
 class Settings(_Section):
     data_root: str = "./data"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -113,6 +127,7 @@ class Settings(_Section):
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
     spark: SparkSettings = Field(default_factory=SparkSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    gold: GoldSettings = Field(default_factory=GoldSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
 
     # ---- derived locations -------------------------------------------------------------

@@ -41,8 +41,7 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # IOTLAKE_* variables (e.g. the suite's IOTLAKE_TEST_*_PORT) would be read as settings.
-    full = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")} | env
+    full = {**os.environ, **env}
     subprocess.run([AIRFLOW, "db", "migrate"], env=full, check=True, capture_output=True,
                    timeout=120)
     yield full
@@ -82,7 +81,9 @@ def test_compaction_dag_compacts(airflow_env: dict[str, str], tmp_path: Path) ->
     config = tmp_path / "iotlake.toml"
     config.write_text(f'data_root = "{lake.root}"\n')
 
-    _dags_test({**airflow_env, "IOTLAKE_CONFIG": str(config)}, "iotlake_compaction")
+    # IOTLAKE_BIN (and the suite's IOTLAKE_TEST_* ports) must not be read as settings.
+    env = {**airflow_env, "IOTLAKE_CONFIG": str(config), "IOTLAKE_BIN": "/nonexistent/iotlake"}
+    _dags_test(env, "iotlake_compaction")
 
     dt = DeltaTable(path)
     assert len(dt.file_uris()) <= 3 and dt.history(1)[0]["operation"] == "OPTIMIZE"

@@ -106,7 +106,8 @@ def test_restart_streams_graceful_and_hard_kill(settings: Settings, spark) -> No
         publish(settings, first)
         running.wait_caught_up(lambda: _count(settings, "bronze"), 400, timeout=120)
         for layer in ("bronze", "silver", "gold"):  # graceful stop + restart of each stream
-            running.queries[layer].stop()
+            for name in [n for n in running.queries if n.startswith(layer)]:
+                running.queries.pop(name).stop()
             running.queries.update(start_layers(spark, settings, (layer,)))
         publish(settings, second)
         running.wait_caught_up(lambda: _count(settings, "bronze"), 800, timeout=120)

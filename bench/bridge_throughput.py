@@ -1,0 +1,288 @@
+"""Bridge throughput and latency against the C baseline ``mosquitto_sub | kcat``.
+
+Capacity: with the subscriber's persistent session established and the subscriber stopped, M
+QoS-1 messages (~150 bytes) are queued in Mosquitto; then the subscriber starts and drains them.
+Rate = messages / (last - first Kafka record timestamp). Latency: steady publishing at --rate
+msg/s with the send time in the payload, measured when a Kafka consumer sees the record.
+The last line printed is one JSON object.
+
+Usage: .venv/bin/python bench/bridge_throughput.py [--messages 200000] [--rate 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from confluent_kafka import Consumer, TopicPartition
+
+from ingest.simulator import Message, publish
+from lakehouse.services import embedded_services, ensure_topics
+from lakehouse.settings import Settings, load_settings
+
+DEVICES = 10
+PAD = 150
+
+
+def payload(seq: int, sent_ns: int = 0) -> bytes:
+    """~150-byte JSON with a unique event id (and the send time for latency)."""
+    raw = b'{"event_id":"%032x","device_id":"dev-%05d","seq":%d,"sent_ns":%d,"temperature":21.5,"pad":"' % (
+        seq, seq % DEVICES + 1, seq, sent_ns)
+    return raw + b"x" * max(0, PAD - len(raw) - 2) + b'"}'
+
+
+def topic_of(prefix: str, seq: int) -> str:
+    return f"{prefix}/dev-{seq % DEVICES + 1:05d}/t"
+
+
+def variant(base: Settings, name: str) -> Settings:
+    s = load_settings(environ={}, **{
+        **base.model_dump(),
+        "kafka": {**base.kafka.model_dump(), "topic": f"bench-{name}", "dead_letter_topic": f"bench-{name}-dlq"},
+        "mqtt": {**base.mqtt.model_dump(), "client_id": f"bench-{name}", "topic_filter": f"{name}/+/t"},
+    })
+    ensure_topics(s)
+    return s
+
+
+def kafka_env(s: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+    host, port = s.mqtt_endpoint
+    env.update({"IOTLAKE_KAFKA__BOOTSTRAP": s.kafka_bootstrap, "IOTLAKE_KAFKA__TOPIC": s.kafka.topic,
+                "IOTLAKE_KAFKA__DEAD_LETTER_TOPIC": s.kafka.dead_letter_topic,
+                "IOTLAKE_MQTT__HOST": host, "IOTLAKE_MQTT__PORT": str(port),
+                "IOTLAKE_MQTT__CLIENT_ID": s.mqtt.client_id, "IOTLAKE_MQTT__TOPIC_FILTER": s.mqtt.topic_filter,
+                "IOTLAKE_DATA_ROOT": s.data_root, "IOTLAKE_BRIDGE__LOG_INTERVAL_SECONDS": "5"})
+    return env
+
+
+class Subscriber:
+    """The bridge (``python -m ingest.bridge``) or the baseline pipeline, as a process group."""
+
+    def __init__(self, kind: str, s: Settings, workdir: Path, rdkafka_dir: Path) -> None:
+        self.kind, self.s, self.workdir, self.rdk = kind, s, workdir, rdkafka_dir
+        self.proc: subprocess.Popen | None = None
+        self.log = workdir / f"{s.kafka.topic}.log"
+
+    def start(self) -> None:
+        out = open(self.log, "ab")
+        if self.kind == "bridge":
+            argv = [sys.executable, "-m", "ingest.bridge"]
+            env = kafka_env(self.s)
+        else:
+            host, port = self.s.mqtt_endpoint
+            argv = ["sh", "-c", f"mosquitto_sub -q 1 -c -i {self.s.mqtt.client_id} -h {host} -p {port} "
+                                f"-t '{self.s.mqtt.topic_filter}' | "
+                                f"kcat -P -b {self.s.kafka_bootstrap} -t {self.s.kafka.topic} -X linger.ms=5"]
+            env = {**os.environ, "LD_LIBRARY_PATH": str(self.rdk)}
+        self.proc = subprocess.Popen(argv, env=env, cwd=self.workdir, stdout=out,
+                                     stderr=out, start_new_session=True)
+        out.close()
+        if self.kind == "bridge":
+            deadline = time.monotonic() + 30
+            while "subscribed to" not in self.log.read_text():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"bridge did not start:\n{self.log.read_text()[-2000:]}")
+                time.sleep(0.02)
+        else:
+            time.sleep(1.5)  # mosquitto_sub has no readiness signal
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+
+def watermarks(c: Consumer, topic: str) -> int:
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts)
+
+
+def wait_drained(s: Settings, quiet: float = 3.0, timeout: float = 600.0) -> None:
+    """Until the topic stops growing (Tansu's end offsets lag by one batch, hence 'stable')."""
+    c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": "bench-wm"})
+    try:
+        last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            wm = watermarks(c, s.kafka.topic)
+            if wm != last:
+                last, since = wm, time.monotonic()
+            elif wm > 0 and time.monotonic() - since > quiet:
+                return
+            time.sleep(0.25)
+    finally:
+        c.close()
+
+
+def read_all(s: Settings, idle: float = 3.0) -> Iterator:
+    c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"bench-{time.time_ns()}",
+                  "enable.auto.commit": False})
+    try:
+        parts = c.list_topics(s.kafka.topic, timeout=10).topics[s.kafka.topic].partitions
+        c.assign([TopicPartition(s.kafka.topic, p, -2) for p in parts])
+        last = time.monotonic()
+        while time.monotonic() - last < idle:
+            for m in c.consume(10_000, 0.5):
+                if not m.error():
+                    last = time.monotonic()
+                    yield m
+    finally:
+        c.close()
+
+
+def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path) -> dict:
+    sub = Subscriber(kind, s, workdir, rdk)
+    sub.start()  # establish the persistent session ...
+    sub.stop()  # ... and go away: the broker queues from now on
+    msgs = (Message(topic_of(s.mqtt.topic_filter.split("/")[0], i), payload(i), None, "valid") for i in range(n))
+    t = time.monotonic()
+    publish(s, msgs, max_inflight=1000)
+    pub_s = time.monotonic() - t
+    t = time.monotonic()
+    sub.start()
+    try:
+        wait_drained(s)
+    finally:
+        sub.stop()
+    wall = time.monotonic() - t
+    seen, ts = set(), []
+    for m in read_all(s):
+        seen.add(json.loads(m.value())["seq"])
+        ts.append(m.timestamp()[1])
+    span = (max(ts) - min(ts)) / 1000 if ts else float("nan")
+    res = {"msgs_per_s": round(len(seen) / span) if span else 0, "span_s": round(span, 2),
+           "records": len(ts), "distinct": len(seen), "lost": n - len(seen & set(range(n))),
+           "publish_msgs_per_s": round(n / pub_s), "wall_s_incl_start": round(wall, 2)}
+    print(f"capacity {kind}: {res}", flush=True)
+    return res
+
+
+def latency(kind: str, s: Settings, rate: float, seconds: float, warmup: float, workdir: Path,
+            rdk: Path) -> dict:
+    n = int(rate * seconds)
+    skip = int(rate * warmup)
+    lat_ms: dict[int, float] = {}
+    stop = threading.Event()
+
+    def consume() -> None:
+        c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"lat-{time.time_ns()}",
+                      "enable.auto.commit": False, "fetch.wait.max.ms": 5, "fetch.min.bytes": 1})
+        parts = c.list_topics(s.kafka.topic, timeout=10).topics[s.kafka.topic].partitions
+        c.assign([TopicPartition(s.kafka.topic, p, -2) for p in parts])
+        while not stop.is_set():
+            for m in c.consume(1000, 0.05):
+                if m.error():
+                    continue
+                now = time.time_ns()
+                d = json.loads(m.value())
+                lat_ms.setdefault(d["seq"], (now - d["sent_ns"]) / 1e6)
+        c.close()
+
+    sub = Subscriber(kind, s, workdir, rdk)
+    sub.start()
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    prefix = s.mqtt.topic_filter.split("/")[0]
+
+    def paced() -> Iterator[Message]:
+        t0 = time.monotonic()
+        for i in range(n):
+            delay = t0 + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            yield Message(topic_of(prefix, i), payload(i, time.time_ns()), None, "valid")
+
+    try:
+        publish(s, paced(), max_inflight=1000)
+        deadline = time.monotonic() + 30
+        while len(lat_ms) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        reader.join(10)
+        sub.stop()
+    vals = sorted(v for k, v in lat_ms.items() if k >= skip)
+    q = (lambda p: round(vals[min(len(vals) - 1, int(p * len(vals)))], 2)) if vals else (lambda p: None)
+    res = {"p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": round(vals[-1], 2) if vals else None,
+           "measured": len(vals), "lost": n - len(lat_ms)}
+    print(f"latency {kind} at {rate:.0f} msg/s: {res}", flush=True)
+    return res
+
+
+def rdkafka_dir(workdir: Path) -> Path:
+    """Debian's librdkafka fails against Tansu: point kcat at the confluent-kafka wheel's."""
+    import confluent_kafka
+
+    libs = Path(confluent_kafka.__file__).parent.parent / "confluent_kafka.libs"
+    lib = next(libs.glob("librdkafka*.so*"))
+    d = workdir / "rdkafka"
+    d.mkdir(exist_ok=True)
+    link = d / "librdkafka.so.1"
+    if not link.exists():
+        link.symlink_to(lib)
+    return d
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=200_000)
+    p.add_argument("--rate", type=float, default=5000.0)
+    p.add_argument("--latency-seconds", type=float, default=12.0)
+    p.add_argument("--warmup-seconds", type=float, default=2.0)
+    p.add_argument("--kafka-port", type=int, default=int(os.environ.get("BENCH_KAFKA_PORT", 39192)))
+    p.add_argument("--mqtt-port", type=int, default=int(os.environ.get("BENCH_MQTT_PORT", 31983)))
+    args = p.parse_args()
+    for tool in ("mosquitto_sub", "kcat"):
+        if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":")):
+            print(f"{tool} missing: apt-get install -y mosquitto-clients kcat", file=sys.stderr)
+            return 2
+    with tempfile.TemporaryDirectory(prefix="iotlake-bench-") as tmp:
+        work = Path(tmp)
+        rdk = rdkafka_dir(work)
+        base = load_settings(environ={}, data_root=str(work / "data"),
+                             kafka={"embedded_port": args.kafka_port, "partitions": 4},
+                             mqtt={"embedded_port": args.mqtt_port})
+        with embedded_services(base):
+            base = load_settings(environ={}, **{**base.model_dump(),
+                                                "kafka": {**base.kafka.model_dump(), "bootstrap": base.kafka_bootstrap},
+                                                "mqtt": {**base.mqtt.model_dump(), "host": "127.0.0.1",
+                                                         "port": args.mqtt_port}})
+            cap_b = capacity("bridge", variant(base, "capb"), args.messages, work, rdk)
+            cap_k = capacity("baseline", variant(base, "capk"), args.messages, work, rdk)
+            lat_b = latency("bridge", variant(base, "latb"), args.rate, args.latency_seconds,
+                            args.warmup_seconds, work, rdk)
+            lat_k = latency("baseline", variant(base, "latk"), args.rate, args.latency_seconds,
+                            args.warmup_seconds, work, rdk)
+    result = {
+        "messages": args.messages,
+        "bridge_msgs_per_s": cap_b["msgs_per_s"],
+        "baseline_msgs_per_s": cap_k["msgs_per_s"],
+        "ratio": round(cap_b["msgs_per_s"] / cap_k["msgs_per_s"], 3) if cap_k["msgs_per_s"] else None,
+        "bridge_p50_ms": lat_b["p50_ms"],
+        "bridge_p99_ms": lat_b["p99_ms"],
+        "baseline_p50_ms": lat_k["p50_ms"],
+        "baseline_p99_ms": lat_k["p99_ms"],
+        "latency_rate_msgs_per_s": args.rate,
+        "lost": cap_b["lost"] + lat_b["lost"],
+        "baseline_lost": cap_k["lost"] + lat_k["lost"],
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

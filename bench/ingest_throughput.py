@@ -1,0 +1,170 @@
+"""Benchmark: Kafka -> bronze throughput against Spark's ``noop`` sink as the ceiling.
+
+Produces N ~150-byte telemetry JSON messages into a 4-partition topic on an embedded Tansu, then
+drains it twice with ``availableNow``: once into bronze (``bronze.stream.start``) and once into
+``noop`` with the same ``bronze_frame``. The first micro-batch pays Python-worker start-up, so
+"steady" rates leave it out. Checks bronze holds every record once. Last line: one JSON object.
+
+    .venv/bin/python bench/ingest_throughput.py [--messages 1000000] [--max-offsets 250000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from confluent_kafka import Producer
+from deltalake import DeltaTable
+from pyspark.sql.streaming import StreamingQuery
+
+import bronze.stream
+from lakehouse.kafka_config import client_config
+from lakehouse.services import ensure_topics, tansu_service
+from lakehouse.settings import Settings, load_settings
+from lakehouse.spark import spark_session
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def produce(settings: Settings, n: int, devices: int = 1000, headers: bool = False) -> float:
+    """Send n telemetry messages keyed by device; returns seconds until all are acknowledged."""
+    p = Producer(client_config(settings, **{"linger.ms": 50, "batch.size": 1 << 20,
+                                            "batch.num.messages": 10_000, "acks": 1,
+                                            "queue.buffering.max.messages": 1_000_000,
+                                            "queue.buffering.max.kbytes": 1 << 20}))
+    failed: list[str] = []
+
+    def on_delivery(err, msg) -> None:
+        if err is not None:
+            failed.append(str(err))
+
+    topic, t0 = settings.kafka.topic, time.perf_counter()
+    hdr = [("mqtt_topic", b"devices/x/telemetry"), ("qos", b"1")] if headers else None
+    for i in range(n):
+        dev = f"dev-{i % devices:05d}"
+        value = (
+            f'{{"event_id":"e{i:010d}","device_id":"{dev}","ts":"2024-05-01T00:{i // 60000 % 60:02d}:'
+            f'{i // 1000 % 60:02d}.{i % 1000:03d}Z","temperature":{20 + i % 97 / 10:.2f},'
+            f'"humidity":{40 + i % 53 / 3:.2f},"battery":{100 - i % 89:.1f},"status":"ok"}}'
+        ).encode()
+        while True:
+            try:
+                p.produce(topic, value, dev.encode(), headers=hdr, on_delivery=on_delivery)
+                break
+            except BufferError:
+                p.poll(0.05)
+        if i % 10_000 == 0:
+            p.poll(0)
+    if p.flush(120):
+        raise RuntimeError("producer did not flush")
+    if failed:
+        raise RuntimeError(f"{len(failed)} deliveries failed, e.g. {failed[0]}")
+    return time.perf_counter() - t0
+
+
+def rates(q: StreamingQuery, wall: float) -> dict:
+    """Whole = all rows / query wall time; steady = rows / trigger time of batches after the first."""
+    prog = [p for p in q.recentProgress if p["numInputRows"]]
+    rows = sum(p["numInputRows"] for p in prog)
+    rest = prog[1:]
+    steady_ms = sum(p["durationMs"]["triggerExecution"] for p in rest)
+    return {
+        "rows": rows, "batches": len(prog),
+        "rows_per_s_whole": round(rows / wall),
+        "rows_per_s_steady": round(sum(p["numInputRows"] for p in rest) / steady_ms * 1000) if steady_ms else None,
+        "first_batch_ms": prog[0]["durationMs"]["triggerExecution"] if prog else None,
+        "batch_ms": [p["durationMs"]["triggerExecution"] for p in prog],
+    }
+
+
+def run_query(start) -> tuple[StreamingQuery, float]:
+    t0 = time.perf_counter()
+    q = start()
+    q.awaitTermination()
+    if q.exception():
+        raise RuntimeError(str(q.exception()))
+    return q, time.perf_counter() - t0
+
+
+def check_bronze(path: str, n: int) -> None:
+    t = DeltaTable(path).to_pyarrow_table(columns=["partition", "offset"])
+    uniq = t.group_by(["partition", "offset"]).aggregate([]).num_rows
+    if t.num_rows != n or uniq != n:
+        raise AssertionError(f"bronze has {t.num_rows} rows, {uniq} distinct (partition, offset); want {n}")
+    # every partition is contiguous from offset 0: nothing skipped
+    for part in pc.unique(t["partition"]).to_pylist():
+        offs = t.filter(pc.equal(t["partition"], part))["offset"]
+        mm = pc.min_max(offs)
+        if mm["min"].as_py() != 0 or mm["max"].as_py() != len(offs) - 1:
+            raise AssertionError(f"partition {part}: offsets not contiguous from 0")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--messages", type=int, default=1_000_000)
+    ap.add_argument("--max-offsets", type=int, default=250_000)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--headers", action="store_true", help="attach two headers per message")
+    ap.add_argument("--port", type=int, default=0, help="Tansu port (default: a free one)")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))
+    port = args.port or free_port()
+    settings = load_settings(environ={}, data_root=str(root), kafka={
+        "bootstrap": f"127.0.0.1:{port}", "embedded_port": port, "partitions": args.partitions,
+        "topic": "bench-telemetry", "dead_letter_topic": "bench-dlq",
+    }, spark={"master": "local[2]", "shuffle_partitions": 2})
+    tansu = tansu_service(settings, port=port).start()
+    spark = None
+    try:
+        ensure_topics(settings)
+        produce_s = produce(settings, args.messages, headers=args.headers)
+        print(f"produced {args.messages} in {produce_s:.1f}s", flush=True)
+        spark = spark_session(settings, app_name="iotlake-ingest-bench")
+
+        bq, bwall = run_query(lambda: bronze.stream.start(spark, settings, "available_now", args.max_offsets))
+        b = rates(bq, bwall)
+        print("bronze", json.dumps(b), flush=True)
+        check_bronze(settings.table_path("bronze"), args.messages)
+
+        def noop() -> StreamingQuery:
+            frame = bronze.stream.bronze_frame(bronze.stream.kafka_stream(spark, settings, args.max_offsets))
+            return (frame.writeStream.format("noop").queryName("noop")
+                    .option("checkpointLocation", settings.checkpoint_path("noop"))
+                    .trigger(availableNow=True).start())
+
+        nq, nwall = run_query(noop)
+        n = rates(nq, nwall)
+        print("noop", json.dumps(n), flush=True)
+        if n["rows"] != args.messages:
+            raise AssertionError(f"noop read {n['rows']} rows, want {args.messages}")
+        files = len(DeltaTable(settings.table_path("bronze")).file_uris())
+        print(json.dumps({
+            "rows": b["rows"], "messages": args.messages, "max_offsets": args.max_offsets,
+            "headers": args.headers, "bronze_files": files, "produce_s": round(produce_s, 1),
+            "rows_per_s_whole": b["rows_per_s_whole"], "rows_per_s_steady": b["rows_per_s_steady"],
+            "noop_rows_per_s_whole": n["rows_per_s_whole"], "noop_rows_per_s_steady": n["rows_per_s_steady"],
+            "ratio": round(n["rows_per_s_steady"] / b["rows_per_s_steady"], 3),
+            "exact_once": True,
+        }))
+    finally:
+        if spark is not None:
+            spark.stop()
+        tansu.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    pa.set_cpu_count(2)
+    main()

@@ -1,0 +1,183 @@
+"""Gold anomaly detector: pure numpy tests (no Spark, no brokers)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gold.anomaly import (
+    STATE_FIELDS,
+    DetectorConfig,
+    DetectorState,
+    WindowedGaussianBaseline,
+    WindowedGaussianConfig,
+    initial_state,
+    score_batch,
+    state_fields,
+    state_schema_ddl,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.nab_scoring import corpus_score, score_series  # noqa: E402
+
+T0 = 1_700_000_000.0  # epoch seconds
+STEP = 60.0
+SPIKES = {900: +12.0, 1500: -12.0}
+SHIFT_AT, SHIFT = 2100, +10.0
+FLAT_FROM, FLAT_LEN = 2700, 60
+N = 3300
+
+
+def synthetic(seed: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Gaussian noise (sd 1) around 20, two spikes, a level shift, a flat-line stretch."""
+    rng = np.random.default_rng(seed)
+    x = 20.0 + rng.normal(0.0, 1.0, N)
+    for i, d in SPIKES.items():
+        x[i] += d
+    x[SHIFT_AT:] += SHIFT
+    x[FLAT_FROM:FLAT_FROM + FLAT_LEN] = x[FLAT_FROM]
+    t = T0 + STEP * np.arange(N)
+    expected = sorted(SPIKES) + [SHIFT_AT, FLAT_FROM + DetectorConfig().flat_min_run]
+    return x, t, expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_flags_exactly_the_injected_anomalies(seed: int) -> None:
+    x, t, expected = synthetic(seed)
+    scores, baselines, flags, _ = score_batch(x, t, None, DetectorConfig())
+    got = np.flatnonzero(flags).tolist()
+    assert len(got) == len(expected), (got, expected)
+    for g, e in zip(got, expected, strict=True):
+        assert abs(g - e) <= 1, (got, expected)
+    assert np.all((scores >= 0.0) & (scores <= 1.0))
+    assert np.all(scores[flags] >= DetectorConfig().threshold)
+    # the spike was compared against the level around 20, the shift against the old level
+    assert abs(baselines[900] - 20.0) < 1.5
+    assert abs(baselines[SHIFT_AT] - 20.0) < 1.5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_quiet_on_pure_noise(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    x = 5.0 + rng.standard_t(df=8, size=20_000)  # heavier tails than Gaussian
+    t = T0 + 300.0 * np.arange(x.size)
+    _, _, flags, _ = score_batch(x, t, None)
+    assert flags.sum() == 0
+
+
+def test_daily_profile_flags_a_missing_peak() -> None:
+    """A daily square wave (5-min readings) is normal; a day without its peak is not."""
+    rng = np.random.default_rng(7)
+    per_day = 288
+    days = 8
+    i = np.arange(per_day * days)
+    tod = i % per_day
+    x = np.where((tod >= 108) & (tod < 216), 80.0, 20.0) + rng.normal(0.0, 2.0, i.size)
+    missing_day = 6
+    peak = slice(missing_day * per_day + 108, missing_day * per_day + 216)
+    x[peak] = 20.0 + rng.normal(0.0, 2.0, 108)
+    t = T0 - (T0 % 86400) + 300.0 * i  # midnight-aligned
+    _, _, flags, _ = score_batch(x, t, None)
+    got = np.flatnonzero(flags)
+    after_warmup = got[got >= 2 * per_day]  # the first two days teach the profile
+    assert after_warmup.size == 1, after_warmup
+    assert peak.start <= after_warmup[0] < peak.start + 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_equals_whole_and_state_round_trips(seed: int) -> None:
+    x, t, _ = synthetic(seed)
+    x = x.copy()
+    x[[5, 1000, 2000]] = np.nan  # missing readings pass through
+    cfg = DetectorConfig()
+    whole = score_batch(x, t, None, cfg)
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, N), size=60, replace=False))
+    cuts = np.unique(np.concatenate([[0, 1, 2, 3], cuts, [N]]))
+    parts = []
+    state = None
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        s, bl, f, state = score_batch(x[a:b], t[a:b], state, cfg)
+        parts.append((s, bl, f))
+        state = DetectorState.from_row(state.to_row())  # as if stored in Spark's state store
+    for k in range(3):
+        np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), whole[k])
+    assert state.to_row() == whole[3].to_row()
+    assert np.isnan(whole[0][[5, 1000, 2000]]).sum() == 0
+    assert not whole[2][[5, 1000, 2000]].any()
+
+
+def test_state_row_layout() -> None:
+    st = initial_state()
+    row = st.to_row()
+    assert len(row) == len(STATE_FIELDS) == 18 + 4 * DetectorConfig().season_bins
+    assert all(isinstance(v, float) for v in row)
+    assert all(typ == "double" for _, typ in STATE_FIELDS)
+    assert len({name for name, _ in STATE_FIELDS}) == len(STATE_FIELDS)
+    x, t, _ = synthetic(0)
+    _, _, _, st = score_batch(x[:500], t[:500], None)
+    again = DetectorState.from_row(st.to_row())
+    assert again.to_row() == st.to_row()
+    small = DetectorConfig(season_bins=8)
+    assert len(initial_state(small).to_row()) == len(state_fields(small))
+    assert state_schema_ddl(small).startswith("version DOUBLE, n DOUBLE")
+    with pytest.raises(ValueError, match="season bins"):
+        score_batch(x[:10], t[:10], initial_state(small), DetectorConfig())
+    with pytest.raises(ValueError, match="does not match"):
+        DetectorState.from_row(row[:-1])
+
+
+def test_input_is_not_mutated_and_empty_batches() -> None:
+    x, t, _ = synthetic(1)
+    _, _, _, st = score_batch(x[:300], t[:300], None)
+    before = st.to_row()
+    score_batch(x[300:600], t[300:600], st)
+    assert st.to_row() == before
+    s, b, f, st2 = score_batch(np.array([]), np.array([]), st)
+    assert s.size == b.size == f.size == 0 and st2.to_row() == before
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        DetectorConfig(threshold=1.5)
+    with pytest.raises(ValueError, match="season_bins"):
+        DetectorConfig(season_bins=0)
+
+
+def test_windowed_gaussian_baseline() -> None:
+    x, t, _ = synthetic(2)
+    det = WindowedGaussianBaseline(WindowedGaussianConfig(window=500, z_threshold=6.0))
+    s, mean, f, st = det.score_batch(x, t, None)
+    assert np.all((s >= 0) & (s <= 1))
+    assert f[900] and f[1500]
+    parts, state = [], None
+    for a in range(0, N, 700):
+        parts.append(det.score_batch(x[a:a + 700], t[a:a + 700], state))
+        state = parts[-1][3]
+    np.testing.assert_allclose(np.concatenate([p[0] for p in parts]), s, rtol=0, atol=1e-9)
+    assert len(state.values) == 500
+
+
+def test_nab_scoring_null_and_perfect() -> None:
+    n = 2000
+    ts = (np.arange(n) * 300 * 10**9).astype(np.int64)
+    windows = [(ts[1000], ts[1099]), (ts[1500], ts[1599])]
+    null = score_series(ts, np.zeros(n, bool), windows)
+    perfect_flags = np.zeros(n, bool)
+    perfect_flags[[1000, 1500]] = True
+    perfect = score_series(ts, perfect_flags, windows)
+    assert null.normalized == 0.0 and math.isclose(perfect.normalized, 100.0)
+    late = perfect_flags.copy()
+    late[1500], late[1599] = False, True  # last reading of the window: ~0 reward
+    fp = perfect_flags.copy()
+    fp[400] = True  # before any window: -0.11
+    assert score_series(ts, late, windows).raw < perfect.raw
+    assert math.isclose(score_series(ts, fp, windows).raw, perfect.raw - 0.11)
+    probation = perfect_flags.copy()
+    probation[100] = True  # inside the probationary 15%: ignored
+    assert score_series(ts, probation, windows).raw == perfect.raw
+    assert math.isclose(corpus_score([null, perfect]), 50.0)
