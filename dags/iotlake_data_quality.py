@@ -1,7 +1,8 @@
-"""Daily data-quality validation of yesterday's silver data (``iotlake validate silver``).
+"""Daily data-quality validation of silver as it stood at the end of yesterday.
 
-"Yesterday" is the UTC day before the run's data-interval end (the midnight trigger time), so a
-retried or re-run task checks the same day, not the day it happens to run on.
+Runs ``iotlake validate silver --version V --out <data_root>/quality/silver/daily-<day>``: V is
+the version current at the UTC midnight that starts the run's day (from its data interval, not the
+wall clock), so a retry or a late re-run checks the same snapshot into the same report directory.
 """
 
 from __future__ import annotations
@@ -35,8 +36,16 @@ def _iotlake(*args: str) -> None:
 def iotlake_data_quality() -> None:
     @task
     def validate_silver(data_interval_end: datetime | None = None) -> None:
-        day = (data_interval_end or datetime.now(UTC)).astimezone(UTC) - timedelta(days=1)
-        _iotlake("validate", "silver", "--date", day.date().isoformat())
+        from lakehouse.maintenance import version_at
+        from lakehouse.maintenance_cli import task_settings
+
+        settings = task_settings()
+        end = (data_interval_end or datetime.now(UTC)).astimezone(UTC)
+        end = end.replace(hour=0, minute=0, second=0, microsecond=0)
+        day = (end - timedelta(days=1)).date().isoformat()
+        version = version_at(settings, "silver", end)
+        out = settings.root / "quality" / "silver" / f"daily-{day}"
+        _iotlake("validate", "silver", "--version", str(version), "--out", str(out))
 
     validate_silver()
 

@@ -7,6 +7,10 @@ window: count, mean, min, max, stddev, last value. Update mode + an idempotent M
 
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -17,6 +21,7 @@ from lakehouse.streams import query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
 
 TABLE = "gold_metrics_1m"
+SLIDING_TABLE = "gold_metrics_5m"
 KEYS = ["device_id", "metric", "window_start"]
 
 
@@ -59,27 +64,94 @@ def silver_stream(spark: SparkSession, settings: Settings, max_rows: int | None 
 
 
 class MergeBatch:
-    """foreachBatch: MERGE the updated windows, exactly once per batch id."""
+    """foreachBatch: MERGE the updated windows, then the sliding windows they belong to.
 
-    def __init__(self, path: str, app_id: str) -> None:
-        self.path, self.app_id = path, app_id
+    Sliding windows (e.g. 5 minutes every minute) are rolled up from the tumbling ones instead of
+    being a second stateful aggregation: count, mean, min, max, stddev and last combine exactly.
+    """
+
+    def __init__(self, settings: Settings, app_id: str) -> None:
+        self.path = settings.table_path(TABLE)
+        self.slide_path = settings.table_path(SLIDING_TABLE)
+        self.app_id = app_id
+        g = settings.gold
+        self.base, self.size, self.every = settings.stream.window_seconds, g.slide_window_seconds, g.slide_every_seconds
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         data = df.toArrow()
-        if data.num_rows:
-            merge_arrow(self.path, data.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS),
-                        MergeSpec(KEYS), self.app_id, batch_id)
+        if not data.num_rows:
+            return
+        merge_arrow(self.path, data.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS),
+                    MergeSpec(KEYS), self.app_id, batch_id)
+        sliding = sliding_windows(self.path, data, self.base, self.size, self.every)
+        if sliding.num_rows:
+            merge_arrow(self.slide_path, sliding, MergeSpec(KEYS), self.app_id, batch_id)
+
+
+def _epoch_s(ts: pd.Series) -> pd.Series:
+    return ts.dt.as_unit("ns").astype("int64") // 10**9
+
+
+def sliding_windows(tumbling_path: str, changed: pa.Table, base: int, size: int, every: int) -> pa.Table:
+    """Recompute the sliding windows that contain any changed tumbling window."""
+    import pyarrow.dataset as ds
+    from deltalake import DeltaTable
+
+    if size % base or every % base:
+        raise ValueError(f"sliding window {size}s/{every}s must be multiples of the {base}s window")
+    ch = changed.select(["device_id", "metric", "window_start"]).to_pandas()
+    lo = ch["window_start"].min() - pd.Timedelta(seconds=size)
+    hi = ch["window_start"].max() + pd.Timedelta(seconds=size)
+    dset = DeltaTable(tumbling_path).to_pyarrow_dataset()
+    flt = ((ds.field("window_start") >= pa.scalar(lo.to_pydatetime(), pa.timestamp("us", tz="UTC")))
+           & (ds.field("window_start") < pa.scalar(hi.to_pydatetime(), pa.timestamp("us", tz="UTC"))))
+    t = dset.to_table(filter=flt)  # (a device_id isin filter trips delta-rs' string_view stats)
+    t = t.filter(pc.is_in(t.column("device_id"), pa.array(ch["device_id"].unique()))).to_pandas()
+    if t.empty:
+        return METRIC_WINDOWS.empty_table()
+    # each tumbling window feeds the sliding windows starting in (start - size, start]
+    t["sumsq"] = (t["count"] - 1).clip(lower=0) * t["stddev"].fillna(0.0) ** 2 + t["count"] * t["mean"] ** 2
+    epoch = _epoch_s(t["window_start"])
+    first = -(-(epoch + base - size) // every) * every  # first sliding start covering it
+    parts = []
+    for k in range(size // every):
+        part = t.copy()
+        part["slide_start"] = first + k * every
+        parts.append(part[(part["slide_start"] <= epoch)])
+    x = pd.concat(parts, ignore_index=True)
+    x["wsum"] = x["count"] * x["mean"]
+    x = x.sort_values("window_start")
+    g = x.groupby(["device_id", "metric", "slide_start"], sort=False)
+    out = g.agg(count=("count", "sum"), wsum=("wsum", "sum"), sumsq=("sumsq", "sum"),
+                min=("min", "min"), max=("max", "max"), last=("last", "last")).reset_index()
+    out["mean"] = out["wsum"] / out["count"]
+    var = (out["sumsq"] - out["count"] * out["mean"] ** 2) / (out["count"] - 1)
+    out["stddev"] = np.sqrt(var.clip(lower=0)).where(out["count"] > 1)
+    out["window_start"] = pd.to_datetime(out["slide_start"], unit="s", utc=True)
+    out["window_end"] = out["window_start"] + pd.Timedelta(seconds=size)
+    # only windows touched by this batch's changes
+    touched = ch.assign(e=_epoch_s(ch["window_start"]))
+    keep = set()
+    for d, m, e in zip(touched["device_id"], touched["metric"], touched["e"], strict=True):
+        for k in range(size // every):
+            start = -(-(e + base - size) // every) * every + k * every
+            if start <= e:
+                keep.add((d, m, start))
+    mask = [(d, m, s) in keep for d, m, s in zip(out["device_id"], out["metric"], out["slide_start"], strict=True)]
+    out = out[mask]
+    return pa.Table.from_pandas(out[METRIC_WINDOWS.names], preserve_index=False).cast(METRIC_WINDOWS)
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           max_rows: int | None = None) -> StreamingQuery:
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
     ensure_table(path, METRIC_WINDOWS)
+    ensure_table(settings.table_path(SLIDING_TABLE), METRIC_WINDOWS)
     agg = window_aggregates(silver_stream(spark, settings, max_rows), settings.stream.window_seconds,
                             settings.stream.watermark_seconds)
     return (
         agg.writeStream.queryName(TABLE).outputMode("update")
-        .foreachBatch(MergeBatch(path, query_id(ckpt)))
+        .foreachBatch(MergeBatch(settings, query_id(ckpt)))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
         .start()

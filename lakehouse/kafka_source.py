@@ -228,71 +228,133 @@ def cap_offsets(start: dict, end: dict, max_rows: int) -> dict:
     return out
 
 
-def read_range(options: dict[str, str], r: KafkaRange, batch_rows: int = 50_000) -> Iterator[pa.RecordBatch]:
-    """Read offsets [start, end) of one partition and yield Arrow batches."""
+# Per Python worker (Spark reuses workers): consumers kept between tasks skip connection set-up.
+_IDLE_CONSUMERS: dict[str, Any] = {}
+# Small fetches and a small prefetch queue: a range's consumer must not read far past its end
+# (the broker and this core would decode records the next task reads again).
+_READER_CONF = {"group.id": "iotlake-reader", "enable.auto.commit": False, "enable.partition.eof": True,
+                "fetch.min.bytes": 1, "fetch.wait.max.ms": 100, "queued.min.messages": 20_000,
+                "fetch.message.max.bytes": 2 * 1048576, "check.crcs": False}
+
+
+def read_range(options: dict[str, str], r: KafkaRange, batch_rows: int = 50_000,
+               chunk: int = 10_000, idle_timeout: float = 60.0) -> Iterator[pa.RecordBatch]:
+    """Read offsets [start, end) of one partition and yield Arrow batches of about batch_rows."""
     if r.end <= r.start:
         return
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
 
-    conf = _client_conf(options)
-    conf.update({"group.id": "iotlake-reader", "enable.auto.commit": False,
-                 "enable.partition.eof": True, "fetch.min.bytes": 1,
-                 "queued.max.messages.kbytes": 262144, "fetch.message.max.bytes": 8 * 1048576})
-    c = Consumer(conf)
+    conf = _client_conf(options) | _READER_CONF
+    key = json.dumps(conf, sort_keys=True)
+    c = _IDLE_CONSUMERS.pop(key, None) or Consumer(conf)
     try:
         c.assign([TopicPartition(r.topic, r.partition, r.start)])
-        cols: dict[str, list] = {n: [] for n in ARROW_SCHEMA.names}
+        cols = _Columns()
         nxt, idle_since = r.start, time.monotonic()
         while nxt < r.end:
-            msgs = c.consume(min(10_000, r.end - nxt + 100), 1.0)
+            # Ask for no more than the range holds: consume() waits for the full count otherwise.
+            msgs = c.consume(min(chunk, r.end - nxt), 0.5)
             if not msgs:
-                if time.monotonic() - idle_since > 60:
+                if time.monotonic() - idle_since > idle_timeout:
                     raise TimeoutError(
                         f"iotlake_kafka: no data from {r.topic}[{r.partition}] at offset {nxt} "
-                        f"(expected up to {r.end}) for 60s")
+                        f"(expected up to {r.end}) for {idle_timeout:.0f}s")
                 continue
             idle_since = time.monotonic()
-            for m in msgs:
-                err = m.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        if m.offset() >= r.end:  # compacted/transactional gaps at the tail
-                            nxt = r.end
-                        continue
-                    raise RuntimeError(f"iotlake_kafka: {err}")
-                off = m.offset()
-                if off < nxt:
-                    continue
-                if off >= r.end:
-                    nxt = r.end
-                    break
-                cols["key"].append(m.key())
-                cols["value"].append(m.value())
-                cols["offset"].append(off)
-                cols["timestamp"].append(m.timestamp()[1] * 1000)
-                h = m.headers()
-                cols["headers"].append([{"key": k, "value": v} for k, v in h] if h else None)
-                nxt = off + 1
-            if len(cols["offset"]) >= batch_rows or nxt >= r.end:
-                yield _batch(cols, r)
-                cols = {n: [] for n in ARROW_SCHEMA.names}
-        if cols["offset"]:
-            yield _batch(cols, r)
-    finally:
+            nxt = cols.add(msgs, nxt, r.end)
+            if cols.rows >= batch_rows:
+                yield cols.batch(r)
+                cols = _Columns()
+        if cols.rows:
+            yield cols.batch(r)
+        c.unassign()
+    except BaseException:
         c.close()
+        raise
+    _IDLE_CONSUMERS[key] = c
 
 
-def _batch(cols: dict[str, list], r: KafkaRange) -> pa.RecordBatch:
-    n = len(cols["offset"])
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(cols["key"], pa.binary()),
-            pa.array(cols["value"], pa.binary()),
-            pa.array([r.topic] * n, pa.string()),
-            pa.array([r.partition] * n, pa.int32()),
-            pa.array(cols["offset"], pa.int64()),
-            pa.array(cols["timestamp"], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
-            pa.array(cols["headers"], _HEADER_TYPE),
-        ],
-        schema=ARROW_SCHEMA,
+class _Columns:
+    """Column lists for one Arrow batch, filled a consume() result at a time (no per-row dicts)."""
+
+    def __init__(self) -> None:
+        self.keys: list = []
+        self.values: list = []
+        self.offsets: list[int] = []
+        self.ts: list[int] = []
+        self.headers: list = []
+        self.rows = 0
+        self.any_headers = False
+
+    def add(self, msgs: list, nxt: int, end: int) -> int:
+        """Append records with offsets in [nxt, end); return the next offset to read."""
+        first, last = msgs[0], msgs[-1]
+        if not (first.error() is None and last.error() is None and first.offset() >= nxt
+                and last.offset() < end and all(m.error() is None for m in msgs)):
+            msgs, nxt = _keep(msgs, nxt, end)
+            if not msgs:
+                return nxt
+        hs = [m.headers() for m in msgs]
+        self.keys += [m.key() for m in msgs]
+        self.values += [m.value() for m in msgs]
+        self.offsets += [m.offset() for m in msgs]
+        self.ts += [m.timestamp()[1] for m in msgs]
+        self.headers += hs
+        self.any_headers = self.any_headers or any(hs)
+        self.rows += len(msgs)
+        return max(nxt, self.offsets[-1] + 1)
+
+    def batch(self, r: KafkaRange) -> pa.RecordBatch:
+        n = self.rows
+        headers = _headers_array(self.headers) if self.any_headers else pa.nulls(n, _HEADER_TYPE)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(self.keys, pa.binary()),
+                pa.array(self.values, pa.binary()),
+                pa.repeat(pa.scalar(r.topic, pa.string()), n),
+                pa.repeat(pa.scalar(r.partition, pa.int32()), n),
+                pa.array(self.offsets, pa.int64()),
+                pa.array(self.ts, _MS).cast(ARROW_SCHEMA.field("timestamp").type),
+                headers,
+            ],
+            schema=ARROW_SCHEMA,
+        )
+
+
+_MS = pa.timestamp("ms", tz="UTC")
+
+
+def _keep(msgs: list, nxt: int, end: int) -> tuple[list, int]:
+    """Slow path: drop EOF events and records outside [nxt, end); fail on real errors."""
+    from confluent_kafka import KafkaError
+
+    kept = []
+    for m in msgs:
+        err = m.error()
+        if err is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                raise RuntimeError(f"iotlake_kafka: {err}")
+            if m.offset() >= end:  # compacted/transactional gaps at the tail
+                nxt = end
+        elif nxt <= m.offset() < end:
+            kept.append(m)
+        elif m.offset() >= end:
+            nxt = end
+    return kept, nxt
+
+
+def _headers_array(headers: list) -> pa.Array:
+    """list<struct<key, value>> built from flat arrays: per-header dicts are slow in pa.array."""
+    offsets, keys, values, valid = [0], [], [], []
+    for h in headers:
+        if h:
+            keys += [k for k, _ in h]
+            values += [v for _, v in h]
+        offsets.append(len(keys))
+        valid.append(bool(h))
+    items = pa.StructArray.from_arrays(
+        [pa.array(keys, pa.string()), pa.array(values, pa.binary())],
+        fields=list(_HEADER_TYPE.value_type),
     )
+    mask = pa.array([not v for v in valid])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), items, _HEADER_TYPE, mask=mask)

@@ -207,6 +207,16 @@ def _paths(dt: DeltaTable) -> list[str]:
     return dt.get_add_actions(flatten=True).column("path").to_pylist()
 
 
+def version_at(settings: Settings, table: str, timestamp: datetime) -> int:
+    """The table version current at ``timestamp``: pins a scheduled job to a reproducible state."""
+    dt = DeltaTable(_existing(settings, table))
+    try:
+        dt.load_as_version(timestamp)
+    except Exception as e:  # delta-rs raises several types for out-of-range targets
+        raise ValueError(f"{table}: no version at {timestamp.isoformat()}: {e}") from e
+    return dt.version()
+
+
 def table_history(settings: Settings, table: str, limit: int | None = None) -> list[dict[str, Any]]:
     """Commits, newest first (operation, parameters, metrics, timestamp, version)."""
     return DeltaTable(_existing(settings, table)).history(limit)

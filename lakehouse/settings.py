@@ -17,6 +17,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "IOTLAKE_"
+#: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
+_NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN"}
 DEFAULT_FILE = "iotlake.toml"
 
 
@@ -190,7 +192,7 @@ def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == "IOTLAKE_CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in _NOT_SETTINGS or key.startswith("IOTLAKE_TEST_"):
             continue
         dotted = key[len(ENV_PREFIX) :].lower().split("__")
         value: Any = raw

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -91,20 +92,29 @@ def test_compaction_dag_compacts(airflow_env: dict[str, str], tmp_path: Path) ->
 
 
 def test_cli_dags_call_iotlake(airflow_env: dict[str, str], tmp_path: Path) -> None:
-    """Backfill and reprocess pass their params to the CLI (a stub records the argv)."""
+    """Backfill, reprocess and data quality call the CLI as designed (a stub records argv)."""
     calls = tmp_path / "calls.jsonl"
     stub = tmp_path / "iotlake"
     stub.write_text(f"#!{sys.executable}\nimport json, sys\n"
                     f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     stub.chmod(0o755)
-    env = {**airflow_env, "IOTLAKE_BIN": str(stub)}
+    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    build_silver(lake, appends=3)
+    config = tmp_path / "iotlake.toml"
+    config.write_text(f'data_root = "{lake.root}"\n')
+    env = {**airflow_env, "IOTLAKE_BIN": str(stub), "IOTLAKE_CONFIG": str(config)}
 
     _dags_test(env, "iotlake_backfill", "-c", json.dumps({"layers": ["bronze", "gold"],
                                                           "max_rows_per_batch": 1000}))
     _dags_test(env, "iotlake_reprocess", "-c", json.dumps({"as_of_version": 7}))
+    # A run for tomorrow validates silver as of tomorrow's midnight: today's latest version.
+    tomorrow = datetime.now(UTC).date() + timedelta(days=1)
+    _dags_test(env, "iotlake_data_quality", tomorrow.isoformat())
     argv = [json.loads(line) for line in calls.read_text().splitlines()]
     assert argv == [
         ["backfill", "--layer", "bronze", "--max-rows", "1000"],
         ["backfill", "--layer", "gold", "--max-rows", "1000"],
         ["reprocess", "--as-of-version", "7", "--dry-run"],
+        ["validate", "silver", "--version", "2", "--out",
+         f"{lake.root}/quality/silver/daily-{tomorrow - timedelta(days=1)}"],
     ]

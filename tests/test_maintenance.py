@@ -14,7 +14,7 @@ from deltalake.exceptions import CommitFailedError
 
 from lakehouse import maintenance
 from lakehouse.delta_io import read_table, utc_arrow_schema
-from lakehouse.maintenance import compact, restore, table_history, vacuum
+from lakehouse.maintenance import compact, restore, table_history, vacuum, version_at
 from lakehouse.maintenance_cli import register
 from lakehouse.settings import Settings, SettingsError, load_settings
 from lakehouse.tables import SILVER
@@ -106,6 +106,9 @@ def test_restore_by_timestamp_and_bad_input(lake: Settings) -> None:
     path = build_silver(lake, appends=3)
     r = restore(lake, "silver", timestamp=datetime.now(UTC).isoformat())
     assert r["noop"] and r["restored_to"] == 2
+    assert version_at(lake, "silver", datetime.now(UTC) + timedelta(days=1)) == 2
+    with pytest.raises(ValueError, match="no version at"):
+        version_at(lake, "silver", T0)
     with pytest.raises(ValueError, match="exactly one"):
         restore(lake, "silver")
     with pytest.raises(ValueError, match="not ISO 8601"):
