@@ -25,7 +25,6 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 
-from ingest.simulator import Message, publish
 from lakehouse.services import embedded_services, ensure_topics
 from lakehouse.settings import Settings, load_settings
 
@@ -44,14 +43,40 @@ def topic_of(prefix: str, seq: int) -> str:
     return f"{prefix}/dev-{seq % DEVICES + 1:05d}/t"
 
 
-def variant(base: Settings, name: str) -> Settings:
+def variant(base: Settings, name: str, protocol: str = "5") -> Settings:
     s = load_settings(environ={}, **{
         **base.model_dump(),
         "kafka": {**base.kafka.model_dump(), "topic": f"bench-{name}", "dead_letter_topic": f"bench-{name}-dlq"},
-        "mqtt": {**base.mqtt.model_dump(), "client_id": f"bench-{name}", "topic_filter": f"{name}/+/t"},
+        "mqtt": {**base.mqtt.model_dump(), "client_id": f"bench-{name}", "topic_filter": f"{name}/+/t",
+                 "protocol": protocol},
     })
     ensure_topics(s)
     return s
+
+
+class CPublisher:
+    """One ``mosquitto_pub -l -q 1`` per device topic fed through stdin: a publisher fast enough
+    not to be the bottleneck (a Python publisher competes with the bridge for the 2 cores)."""
+
+    def __init__(self, s: Settings) -> None:
+        host, port = s.mqtt_endpoint
+        self.prefix = s.mqtt.topic_filter.split("/")[0]
+        self.procs = [subprocess.Popen(["mosquitto_pub", "-h", host, "-p", str(port), "-q", "1", "-l",
+                                        "-i", f"pub-{self.prefix}-{d}", "-t", topic_of(self.prefix, d)],
+                                       stdin=subprocess.PIPE) for d in range(DEVICES)]
+
+    def send(self, seq: int, data: bytes, flush: bool = False) -> None:
+        w = self.procs[seq % DEVICES].stdin
+        w.write(data + b"\n")
+        if flush:
+            w.flush()
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stdin.close()
+        for p in self.procs:
+            if p.wait(120) != 0:
+                raise RuntimeError(f"mosquitto_pub exited with {p.returncode}")
 
 
 def kafka_env(s: Settings) -> dict[str, str]:
@@ -61,6 +86,7 @@ def kafka_env(s: Settings) -> dict[str, str]:
                 "IOTLAKE_KAFKA__DEAD_LETTER_TOPIC": s.kafka.dead_letter_topic,
                 "IOTLAKE_MQTT__HOST": host, "IOTLAKE_MQTT__PORT": str(port),
                 "IOTLAKE_MQTT__CLIENT_ID": s.mqtt.client_id, "IOTLAKE_MQTT__TOPIC_FILTER": s.mqtt.topic_filter,
+                "IOTLAKE_MQTT__PROTOCOL": s.mqtt.protocol,
                 "IOTLAKE_DATA_ROOT": s.data_root, "IOTLAKE_BRIDGE__LOG_INTERVAL_SECONDS": "5"})
     return env
 
@@ -148,9 +174,11 @@ def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path) -> dict:
     sub = Subscriber(kind, s, workdir, rdk)
     sub.start()  # establish the persistent session ...
     sub.stop()  # ... and go away: the broker queues from now on
-    msgs = (Message(topic_of(s.mqtt.topic_filter.split("/")[0], i), payload(i), None, "valid") for i in range(n))
     t = time.monotonic()
-    publish(s, msgs, max_inflight=1000)
+    pub = CPublisher(s)
+    for i in range(n):
+        pub.send(i, payload(i))
+    pub.close()
     pub_s = time.monotonic() - t
     t = time.monotonic()
     sub.start()
@@ -196,18 +224,15 @@ def latency(kind: str, s: Settings, rate: float, seconds: float, warmup: float, 
     sub.start()
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
-    prefix = s.mqtt.topic_filter.split("/")[0]
-
-    def paced() -> Iterator[Message]:
+    try:
+        pub = CPublisher(s)
         t0 = time.monotonic()
         for i in range(n):
             delay = t0 + i / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            yield Message(topic_of(prefix, i), payload(i, time.time_ns()), None, "valid")
-
-    try:
-        publish(s, paced(), max_inflight=1000)
+            pub.send(i, payload(i, time.time_ns()), flush=True)
+        pub.close()
         deadline = time.monotonic() + 30
         while len(lat_ms) < n and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -262,6 +287,7 @@ def main() -> int:
                                                 "mqtt": {**base.mqtt.model_dump(), "host": "127.0.0.1",
                                                          "port": args.mqtt_port}})
             cap_b = capacity("bridge", variant(base, "capb"), args.messages, work, rdk)
+            cap_b3 = capacity("bridge", variant(base, "capb3", "3.1.1"), args.messages, work, rdk)
             cap_k = capacity("baseline", variant(base, "capk"), args.messages, work, rdk)
             lat_b = latency("bridge", variant(base, "latb"), args.rate, args.latency_seconds,
                             args.warmup_seconds, work, rdk)
@@ -271,13 +297,14 @@ def main() -> int:
         "messages": args.messages,
         "bridge_msgs_per_s": cap_b["msgs_per_s"],
         "baseline_msgs_per_s": cap_k["msgs_per_s"],
+        "bridge_mqtt311_msgs_per_s": cap_b3["msgs_per_s"],
         "ratio": round(cap_b["msgs_per_s"] / cap_k["msgs_per_s"], 3) if cap_k["msgs_per_s"] else None,
         "bridge_p50_ms": lat_b["p50_ms"],
         "bridge_p99_ms": lat_b["p99_ms"],
         "baseline_p50_ms": lat_k["p50_ms"],
         "baseline_p99_ms": lat_k["p99_ms"],
         "latency_rate_msgs_per_s": args.rate,
-        "lost": cap_b["lost"] + lat_b["lost"],
+        "lost": cap_b["lost"] + cap_b3["lost"] + lat_b["lost"],
         "baseline_lost": cap_k["lost"] + lat_k["lost"],
     }
     print(json.dumps(result))

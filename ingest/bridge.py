@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import select
 import signal
 import sys
 import threading
@@ -329,18 +330,30 @@ class Bridge:
                 stop_metrics()
 
     def _pump(self, timeout: float) -> None:
-        """One select, then read whatever is buffered without further waiting."""
+        """Select on paho's socket ourselves (its documented external-loop API; ``loop()`` would
+        add a wake-up socket pair costing two syscalls per ack), then read what is buffered."""
         client, c = self._client, self._c
-        rc = client.loop(timeout)
+        sock = client.socket()
+        # TLS: decrypted bytes already buffered in the SSL object are invisible to select().
+        buffered = hasattr(sock, "pending") and sock.pending() > 0
+        try:
+            readable, writable, _ = select.select(
+                [sock], [sock] if client.want_write() else [], [], 0 if buffered else timeout)
+        except (OSError, ValueError):  # socket closed under us: let paho notice
+            readable, writable = [sock], []
+        rc = client.loop_write() if writable else mqtt.MQTT_ERR_SUCCESS
         n = 0
-        while rc == mqtt.MQTT_ERR_SUCCESS and n < 1000 and len(self._pending) < self._max:
+        while (readable or buffered) and rc == mqtt.MQTT_ERR_SUCCESS and n < 1000 \
+                and len(self._pending) < self._max and client.socket() is not None:
             before = c["received"]
             rc = client.loop_read()
-            if c["received"] == before:
+            if c["received"] == before and n:
                 break
             n += 1
             if n % 100 == 0:
                 self._producer.poll(0)
+        if client.socket() is not None:
+            client.loop_misc()
 
     def _run_retries(self, now: float) -> None:
         due = [r for r in self._retry if r[0] <= now]

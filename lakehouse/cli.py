@@ -9,11 +9,14 @@ import logging
 import sys
 
 from lakehouse.settings import SettingsError, load_settings
+from lakehouse.streams import CheckpointBusy
 
 #: Modules that contribute subcommands (each has ``register(subparsers) -> None``; the
 #: parser it adds sets ``func(args, settings) -> int``).
 COMMAND_MODULES = [
     "lakehouse.run",
+    "lakehouse.backfill",
+    "lakehouse.reprocess",
     "lakehouse.maintenance_cli",
     "silver.cli",
     "lakehouse.query_cli",
@@ -55,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as e:
         print(f"iotlake: {e}", file=sys.stderr)
         return 2
+    except CheckpointBusy as e:
+        print(f"iotlake: refused: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -132,6 +132,17 @@ def commit_files(table_path: str, files: list[WrittenFile], app_id: str, batch_i
     return False
 
 
+def _retry_conflicts(fn, retries: int = 20):
+    """Run a commit, retrying when a concurrent writer (e.g. compaction) won the race."""
+    for attempt in range(retries):
+        try:
+            return fn()
+        except CommitFailedError:
+            if attempt == retries - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
 def append_arrow(table_path: str, data: pa.Table | Iterable[pa.RecordBatch], app_id: str,
                  batch_id: int, schema: pa.Schema | None = None) -> bool:
     """Driver-side exactly-once append (used by foreachBatch stages)."""
@@ -139,14 +150,19 @@ def append_arrow(table_path: str, data: pa.Table | Iterable[pa.RecordBatch], app
         data = pa.Table.from_batches(list(data), schema=schema)
     target = utc_arrow_schema(data.schema)
     data = data.cast(target)
-    dt = ensure_table(table_path, target)
-    if committed_version(dt, app_id) >= batch_id:
-        return False
-    write_deltalake(
-        dt, data, mode="append", schema_mode="merge",
-        commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]),
-    )
-    return True
+    ensure_table(table_path, target)
+
+    def commit() -> bool:
+        dt = DeltaTable(table_path)
+        if committed_version(dt, app_id) >= batch_id:
+            return False
+        write_deltalake(
+            dt, data, mode="append", schema_mode="merge",
+            commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]),
+        )
+        return True
+
+    return _retry_conflicts(commit)
 
 
 @dataclass
@@ -161,19 +177,24 @@ def merge_arrow(table_path: str, data: pa.Table, spec: MergeSpec, app_id: str, b
     """Exactly-once MERGE (upsert) of a micro-batch; a replayed batch is skipped."""
     target = utc_arrow_schema(data.schema)
     data = data.cast(target)
-    dt = ensure_table(table_path, target)
-    if committed_version(dt, app_id) >= batch_id:
-        return False
+    ensure_table(table_path, target)
     predicate = " AND ".join(f"t.{k} = s.{k}" for k in spec.keys)
     cols = spec.update_columns or [c for c in data.column_names if c not in spec.keys]
-    (
-        dt.merge(data, predicate, source_alias="s", target_alias="t",
-                 commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]))
-        .when_matched_update({c: f"s.{c}" for c in cols})
-        .when_not_matched_insert_all()
-        .execute()
-    )
-    return True
+
+    def commit() -> bool:
+        dt = DeltaTable(table_path)
+        if committed_version(dt, app_id) >= batch_id:
+            return False
+        (
+            dt.merge(data, predicate, source_alias="s", target_alias="t",
+                     commit_properties=CommitProperties(app_transactions=[Transaction(app_id, batch_id)]))
+            .when_matched_update({c: f"s.{c}" for c in cols})
+            .when_not_matched_insert_all()
+            .execute()
+        )
+        return True
+
+    return _retry_conflicts(commit)
 
 
 def read_table(table_path: str, version: int | None = None, columns: list[str] | None = None) -> pa.Table:

@@ -230,11 +230,12 @@ def cap_offsets(start: dict, end: dict, max_rows: int) -> dict:
 
 # Per Python worker (Spark reuses workers): consumers kept between tasks skip connection set-up.
 _IDLE_CONSUMERS: dict[str, Any] = {}
-# Small fetches and a small prefetch queue: a range's consumer must not read far past its end
-# (the broker and this core would decode records the next task reads again).
+# Small fetches and prefetch queue: a range's consumer must not read far past its end (the next
+# task decodes those records again). librdkafka pauses fetching for fetch.queue.backoff.ms (1 s by
+# default) once the queue is full, which stalls consume(); keep that pause short.
 _READER_CONF = {"group.id": "iotlake-reader", "enable.auto.commit": False, "enable.partition.eof": True,
-                "fetch.min.bytes": 1, "fetch.wait.max.ms": 100, "queued.min.messages": 20_000,
-                "fetch.message.max.bytes": 2 * 1048576, "check.crcs": False}
+                "fetch.min.bytes": 1, "fetch.wait.max.ms": 100, "fetch.message.max.bytes": 1048576,
+                "queued.min.messages": 20_000, "fetch.queue.backoff.ms": 5, "check.crcs": False}
 
 
 def read_range(options: dict[str, str], r: KafkaRange, batch_rows: int = 50_000,

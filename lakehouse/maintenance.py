@@ -147,14 +147,31 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
         if not table_exists(path):
             out.append({"table": table, "deleted": [], "status": "missing"})
             continue
+        # full=True also removes files of commits that never happened (crashed batches, failed
+        # compactions); the retention keeps files of in-flight commits, which are seconds old.
         deleted = _retry(lambda p=path: DeltaTable(p).vacuum(
-            retention_hours=hours, dry_run=dry_run, enforce_retention_duration=enforce_retention_duration,
-            full=True),
-            f"vacuum {table}")
+            retention_hours=hours, dry_run=dry_run, full=True,
+            enforce_retention_duration=enforce_retention_duration), f"vacuum {table}")
         log.info("vacuum %s (%s h, dry_run=%s): %d files", table, hours, dry_run, len(deleted))
         out.append({"table": table, "retention_hours": hours, "dry_run": dry_run,
                     "deleted": sorted(deleted), "version": DeltaTable(path).version()})
     return out
+
+
+def _load_at(path: str, table: str, target: int | datetime) -> DeltaTable:
+    """The table at a version, or at the version current at a time (an error before creation;
+    delta-rs would silently pick version 0)."""
+    dt = DeltaTable(path)
+    try:
+        dt.load_as_version(target)
+    except Exception as e:  # delta-rs raises several types for out-of-range targets
+        raise ValueError(f"{table}: no version {target}: {e}") from e
+    if isinstance(target, datetime):
+        committed = datetime.fromtimestamp(dt.history(1)[0]["timestamp"] / 1000, UTC)
+        if committed > target:
+            raise ValueError(f"{table}: no version at {target.isoformat()}; the oldest "
+                             f"readable version {dt.version()} is from {committed.isoformat()}")
+    return dt
 
 
 def parse_timestamp(value: str) -> datetime:
@@ -179,12 +196,7 @@ def restore(settings: Settings, table: str, version: int | None = None,
     target: int | datetime = version if version is not None else parse_timestamp(timestamp or "")
 
     def run() -> dict[str, Any]:
-        dt = DeltaTable(path)
-        old = DeltaTable(path)
-        try:
-            old.load_as_version(target)
-        except Exception as e:  # delta-rs raises several types for out-of-range targets
-            raise ValueError(f"{table}: cannot load version/timestamp {target}: {e}") from e
+        dt, old = DeltaTable(path), _load_at(path, table, target)
         if set(_paths(dt)) == set(_paths(old)) and dt.schema().to_json() == old.schema().to_json():
             return {"table": table, "restored_to": old.version(), "version": dt.version(),
                     "noop": True}
@@ -209,12 +221,7 @@ def _paths(dt: DeltaTable) -> list[str]:
 
 def version_at(settings: Settings, table: str, timestamp: datetime) -> int:
     """The table version current at ``timestamp``: pins a scheduled job to a reproducible state."""
-    dt = DeltaTable(_existing(settings, table))
-    try:
-        dt.load_as_version(timestamp)
-    except Exception as e:  # delta-rs raises several types for out-of-range targets
-        raise ValueError(f"{table}: no version at {timestamp.isoformat()}: {e}") from e
-    return dt.version()
+    return _load_at(_existing(settings, table), table, timestamp).version()
 
 
 def table_history(settings: Settings, table: str, limit: int | None = None) -> list[dict[str, Any]]:

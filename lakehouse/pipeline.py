@@ -17,6 +17,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_source import latest_version
 from lakehouse.settings import Settings
+from lakehouse.streams import release_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +102,4 @@ class Running:
                 q.stop()
             except Exception as e:  # noqa: BLE001 - stopping must go on for the others
                 log.warning("stopping %s: %s", name, e)
+        release_checkpoints()

@@ -72,6 +72,10 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
         stack.enter_context(_stop_on_signals(stop))
         if role == "all":
             stack.enter_context(embedded_services(settings))
+        if settings.observability.metrics_port:
+            from lakehouse.metrics import serve
+
+            serve(settings.observability.metrics_port, settings.observability.metrics_bind)
         if role in ("all", "bridge"):
             stack.enter_context(bridge_thread(settings))
         running = None
@@ -80,6 +84,9 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             from lakehouse.spark import spark_session
 
             spark = spark_session(settings, app_name=f"iotlake-{role}")
+            from lakehouse.metrics import install
+
+            stack.callback(install(spark, settings).flush)
             running = Running(spark, settings, start_layers(spark, settings, layers))
             stack.callback(running.stop)
         if simulate > 0:
@@ -112,6 +119,9 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
     t0 = time.monotonic()
     with embedded_services(settings), bridge_thread(settings):
         spark = spark_session(settings, app_name="iotlake-demo")
+        from lakehouse.metrics import install
+
+        metrics = install(spark, settings)
         running = Running(spark, settings, start_layers(spark, settings))
         try:
             messages = generate(settings, events, devices=devices, duplicates=duplicates,
@@ -121,6 +131,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
             running.wait_caught_up(lambda: _rows(bronze_path), published, timeout)
         finally:
             running.stop()
+            metrics.flush()
     q = _quality_totals(settings)
     result = {
         "published": published,

@@ -14,12 +14,19 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 ENV_PREFIX = "IOTLAKE_"
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
 _NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN"}
 DEFAULT_FILE = "iotlake.toml"
+
+
+#: Tables and queries rebuilt by time-travel reprocessing (everything downstream of bronze).
+DERIVED_TABLES = frozenset({
+    "silver", "quarantine", "quality_log", "gold_metrics_1m", "gold_metrics_5m", "device_current",
+    "device_status_history", "readings_scored", "anomalies"})
+DERIVED_QUERIES = frozenset({"silver", "gold_metrics_1m", "gold_health"})
 
 
 class SettingsError(ValueError):
@@ -111,6 +118,13 @@ class MaintenanceSettings(_Section):
     zorder: bool = True
 
 
+class ObservabilitySettings(_Section):
+    """Prometheus endpoint of ``iotlake run`` (bridge and stream metrics); 0 disables it."""
+
+    metrics_port: int = Field(9464, ge=0, le=65535)
+    metrics_bind: str = "127.0.0.1"
+
+
 class GoldSettings(_Section):
     """Device status rules and anomaly scoring (one configuration for every device)."""
 
@@ -131,20 +145,45 @@ class Settings(_Section):
     stream: StreamSettings = Field(default_factory=StreamSettings)
     gold: GoldSettings = Field(default_factory=GoldSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    _pinned: str | None = PrivateAttr(default=None)
 
     # ---- derived locations -------------------------------------------------------------
     @property
     def root(self) -> Path:
         return Path(self.data_root).expanduser().resolve()
 
-    def table_path(self, name: str) -> str:
+    def generation(self) -> str:
+        """The generation of derived tables readers use ("" = the original one).
+
+        Time-travel reprocessing builds silver and gold into a new generation and switches
+        readers to it by atomically replacing the ``CURRENT_GENERATION`` file.
+        """
+        if self._pinned is not None:
+            return self._pinned
+        f = self.root / "CURRENT_GENERATION"
+        return f.read_text().strip() if f.exists() else ""
+
+    def pinned(self, generation: str) -> Settings:
+        """A copy whose derived tables and checkpoints are those of ``generation``."""
+        copy = self.model_copy(deep=True)
+        copy._pinned = generation
+        return copy
+
+    def _base(self, name: str, derived: frozenset[str], generation: str | None) -> Path:
+        gen = self.generation() if generation is None else generation
+        if gen and name in derived:
+            return self.root / "generations" / gen
+        return self.root
+
+    def table_path(self, name: str, generation: str | None = None) -> str:
         """Location of a Delta table by its logical name (``bronze``, ``silver``, ...)."""
         if not name.replace("_", "").isalnum():
             raise SettingsError(f"table name {name!r} must be letters, digits and '_'")
-        return str(self.root / "tables" / name)
+        return str(self._base(name, DERIVED_TABLES, generation) / "tables" / name)
 
-    def checkpoint_path(self, query: str) -> str:
-        return str(self.root / "checkpoints" / query)
+    def checkpoint_path(self, query: str, generation: str | None = None) -> str:
+        return str(self._base(query, DERIVED_QUERIES, generation) / "checkpoints" / query)
 
     @property
     def run_dir(self) -> Path:

@@ -2,19 +2,58 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import uuid
 from pathlib import Path
 
 from lakehouse.settings import Settings
 
 
+class CheckpointBusy(RuntimeError):
+    """Another process runs a stream on this checkpoint."""
+
+
+_held: dict[str, int] = {}  # checkpoint -> fd of its lock file, held by this process
+
+
+def lock_checkpoint(checkpoint: str) -> None:
+    """Take the checkpoint's exclusive lock (released by the OS if the process dies).
+
+    Two queries on one checkpoint corrupt it; this makes a backfill or a second ``iotlake run``
+    fail fast instead. Re-taking a lock this process holds is a no-op (restarts in-process).
+    """
+    if checkpoint in _held:
+        return
+    Path(checkpoint).mkdir(parents=True, exist_ok=True)
+    fd = os.open(os.path.join(checkpoint, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointBusy(
+            f"checkpoint {checkpoint} is in use by another running stream (e.g. `iotlake run`); "
+            "stop that stream first, or let it catch up by itself") from None
+    _held[checkpoint] = fd
+
+
+def release_checkpoints() -> None:
+    """Release every checkpoint lock this process holds (after its queries stopped)."""
+    while _held:
+        _, fd = _held.popitem()
+        os.close(fd)
+
+
 def query_id(checkpoint: str) -> str:
-    """The streaming query id persisted in the checkpoint, created before the first start.
+    """Lock the checkpoint and return the streaming query id persisted in it.
+
+    The id is created before the first start.
 
     Spark keeps the id in ``<checkpoint>/metadata`` across restarts; writing it ourselves first
     lets the sinks use it as their Delta app-transaction id before the query exists.
     """
+    lock_checkpoint(checkpoint)
     meta = Path(checkpoint, "metadata")
     if meta.exists():
         return json.loads(meta.read_text().splitlines()[0])["id"]

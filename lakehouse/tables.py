@@ -78,7 +78,7 @@ PIPELINE_METRICS = pa.schema([
     ("batch_duration_ms", pa.int64()), ("duration_ms", pa.string()),  # JSON of the parts
     ("state_rows", pa.int64()), ("state_memory_bytes", pa.int64()),
     ("rows_dropped_by_watermark", pa.int64()), ("duplicates_dropped", pa.int64()),
-    ("watermark", pa.string()), ("progress_json", pa.string()),
+    ("watermark", pa.string()), ("lag", pa.int64()), ("progress_json", pa.string()),
 ])
 
 SCHEMAS: dict[str, pa.Schema] = {

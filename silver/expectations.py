@@ -3,8 +3,9 @@
 The suite is a Great Expectations 1.x file (``expectations/telemetry.json``) so that the same
 rules drive both the stream and the GX reports of ``iotlake validate``. GX itself is too slow per
 micro-batch, so row-level expectations are compiled into ONE Spark array expression (no UDF) whose
-value is the list of failed expectation names (the quarantine reason), and the set-level ones
-into one aggregation per micro-batch.
+value is the list of failed expectation names (the quarantine reason). The stream already holds
+each micro-batch on the driver as Arrow, so it counts every expectation with ``arrow_quality``
+(no second Spark job); ``quality_summary`` does the same in one Spark aggregation for a DataFrame.
 
 Semantics follow GX on Spark: only ``not_null`` fails on null; NaN is a value (it fails a range
 check; GX on pandas, used by ``iotlake validate``, sees NaN as null). ``mostly`` is ignored per
@@ -14,6 +15,7 @@ row and applied to the counts in the quality log.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import great_expectations as gx
+import pyarrow as pa
+import pyarrow.compute as pc
 from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
@@ -242,6 +246,16 @@ def _in_range(v: Any, k: Mapping[str, Any]) -> bool:
     return not (hi is not None and (v >= hi if k.get("strict_max") else v > hi))
 
 
+def _observed(c: Check, evaluated: int, v: Any) -> dict[str, Any]:
+    """Quality-log row of an aggregate check (row count, mean, ...) from its observed value."""
+    k = c.kwargs
+    # An empty micro-batch has no mean: not a quality failure (GX would say failed).
+    # A NaN statistic (NaN in the column) fails.
+    ok = v is None or (v == v and (v == k["value"] if "value" in k else _in_range(v, k)))
+    bounds = {b: k[b] for b in ("value", "min_value", "max_value") if b in k}
+    return _log(c, "set", evaluated, None, None, ok, observed_value=v, **bounds)
+
+
 _Finish = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -263,7 +277,6 @@ def _set_plan(suite: Suite) -> tuple[dict[str, Column], list[Column], list[_Fini
     aggs: list[Column] = []
     finish: list[_Finish] = []
     for i, c in enumerate(suite.set_level):
-        k = c.kwargs
         if c.type == "expect_column_values_to_be_unique":
             # GX counts every row of a duplicated value as unexpected, hence a window count.
             col = F.col(c.column)
@@ -278,16 +291,7 @@ def _set_plan(suite: Suite) -> tuple[dict[str, Column], list[Column], list[_Fini
         else:
             aggs.append(F.count(F.col(c.column)).alias(f"s{i}_n"))
             aggs.append(_AGGREGATES[c.type](F.col(c.column)).alias(f"s{i}_v"))
-
-        def done(r: dict[str, Any], c: Check = c, i: int = i, k: Mapping[str, Any] = k) -> dict:
-            v = r[f"s{i}_v"]
-            # An empty micro-batch has no mean: not a quality failure (GX would say failed).
-            # A NaN statistic (NaN in the column) fails.
-            ok = v is None or (v == v and (v == k["value"] if "value" in k else _in_range(v, k)))
-            bounds = {b: k[b] for b in ("value", "min_value", "max_value") if b in k}
-            return _log(c, "set", r[f"s{i}_n"], None, None, ok, observed_value=v, **bounds)
-
-        finish.append(done)
+        finish.append(lambda r, c=c, i=i: _observed(c, r[f"s{i}_n"], r[f"s{i}_v"]))
     return windows, aggs, finish
 
 
@@ -324,3 +328,67 @@ def quality_summary(df: DataFrame, suite: Suite,
     raggs, rfinish = _row_plan(suite, failures_col)
     windows, saggs, sfinish = _set_plan(suite)
     return _aggregate(df, [*suite.columns, failures_col], windows, raggs + saggs, rfinish + sfinish)
+
+
+# ---- the same quality log from an Arrow table (the micro-batch the stream collected) -------
+
+def _max(a: pa.ChunkedArray) -> Any:
+    # Spark orders NaN above every number: one NaN makes the max NaN.
+    if pa.types.is_floating(a.type) and pc.any(pc.is_nan(a)).as_py():
+        return math.nan
+    return pc.max(a)
+
+
+def _median(a: pa.ChunkedArray) -> Any:
+    # percentile_approx returns a value of the column: the lower median, not an interpolation.
+    a = a.drop_null()
+    return pc.quantile(a, q=0.5, interpolation="lower")[0] if len(a) else None
+
+
+_ARROW_AGGREGATES: dict[str, Callable[[pa.ChunkedArray], Any]] = {
+    "expect_column_mean_to_be_between": pc.mean,
+    "expect_column_min_to_be_between": pc.min,
+    "expect_column_max_to_be_between": _max,
+    "expect_column_sum_to_be_between": pc.sum,
+    "expect_column_stdev_to_be_between": lambda a: pc.stddev(a, ddof=1),
+    "expect_column_median_to_be_between": _median,
+    "expect_column_unique_value_count_to_be_between": pc.count_distinct,
+}
+
+
+def failure_counts(failures: pa.ChunkedArray | pa.Array) -> dict[str, int]:
+    """Name -> rows whose failure list holds it."""
+    flat = pc.list_flatten(failures)
+    if len(flat) == 0:
+        return {}
+    return {d["values"]: d["counts"] for d in pc.value_counts(flat).to_pylist()}
+
+
+def arrow_quality(suite: Suite, table: pa.Table,
+                  failures_col: str = FAILURES_COL) -> list[dict[str, Any]]:
+    """``quality_summary`` of an Arrow table: same rows and semantics, computed with pyarrow.
+
+    Row-level counts come from the failures column (what routing used), so the quality log and
+    the quarantine can never disagree.
+    """
+    n = table.num_rows
+    failed = failure_counts(table.column(failures_col))
+    out = []
+    for c in suite.row_level:
+        col = table.column(c.column)
+        evaluated = n if c.type == "expect_column_values_to_not_be_null" else n - col.null_count
+        out.append(_counted(c, "row", evaluated, failed.get(c.name, 0)))
+    for c in suite.set_level:
+        if c.type.startswith("expect_table_row_count"):
+            out.append(_observed(c, n, n))
+            continue
+        col = table.column(c.column)
+        present = n - col.null_count
+        if c.type == "expect_column_values_to_be_unique":
+            counts = pc.value_counts(col.drop_null()).field("counts")
+            dup = pc.sum(pc.filter(counts, pc.greater(counts, 1))).as_py() or 0
+            out.append(_counted(c, "set", present, dup))
+        else:
+            v = _ARROW_AGGREGATES[c.type](col)
+            out.append(_observed(c, present, v.as_py() if isinstance(v, pa.Scalar) else v))
+    return out

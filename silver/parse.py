@@ -17,6 +17,12 @@ from lakehouse.tables import METRICS
 SCHEMA_VERSION = 1
 KNOWN_FIELDS = ("schema_version", "device_id", "event_id", "ts", *METRICS, "status")
 _PAYLOAD = MapType(StringType(), StringType())
+#: Every parse reason with the payload field it checks; the quality log counts each per batch.
+#: ``not_json`` is checked on every row, the others only on rows that are JSON objects.
+PARSE_CHECKS: tuple[tuple[str, str], ...] = (
+    ("not_json", "value"), ("missing_event_id", "event_id"), ("missing_ts", "ts"), ("bad_ts", "ts"),
+    *((f"wrong_type:{c}", c) for c in (*METRICS, "schema_version")),
+)
 
 
 def _nonempty(c: Column) -> Column:

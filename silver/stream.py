@@ -7,8 +7,10 @@ counts to ``quality_log``. Every bronze row is accounted for:
 
     bronze rows in batch = silver + quarantine + duplicates dropped + late
 
-Rows the watermark drops are recovered from the batch's own bronze files (the offsets log
-says which versions and which watermark the batch used) and quarantined with reason ``late``.
+Spark drops a row as late when its event time is <= the watermark of the *previous* batch
+(the watermark a batch computes only applies to the next one). The dedup operator's own metrics
+say how many rows it dropped as late; only then are the batch's bronze files re-read to recover
+those rows, which are quarantined with reason ``late``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
@@ -29,28 +32,27 @@ from lakehouse.delta_source import commit_adds
 from lakehouse.settings import Settings
 from lakehouse.streams import query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, SILVER
-from silver.parse import parse
+from silver.expectations import (
+    Suite,
+    arrow_quality,
+    failed_expectations,
+    failure_counts,
+    load_suite,
+)
+from silver.parse import PARSE_CHECKS, parse
 
 log = logging.getLogger(__name__)
 
 TABLE, QUARANTINE_TABLE, QUALITY_TABLE = "silver", "quarantine", "quality_log"
-DEFAULT_SUITE = Path(__file__).resolve().parent.parent / "expectations" / "telemetry.json"
+_NO_CHECKS = F.array().cast("array<string>")
+_DEDUP_OP = "StreamingDeduplicateWithinWatermark"
 
 
-def _row_checks(suite_path: Path | None):
-    """The suite's row-level expectations as one array<string> column (names of failures)."""
-    path = suite_path or DEFAULT_SUITE
-    if not path.exists():
-        return F.array().cast("array<string>"), None
-    from silver.expectations import failed_expectations, load_suite
-
-    suite = load_suite(path)
-    return failed_expectations(suite), suite
-
-
-def validated(bronze: DataFrame, suite_path: Path | None = None, validate: bool = True) -> DataFrame:
+def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
+    """Parsed rows with ``reasons`` (parse problems, then failed suite expectations; a payload
+    that is not JSON gets only ``not_json``) and the dedup key and event time."""
     parsed = parse(bronze)
-    checks, _ = _row_checks(suite_path) if validate else (F.array().cast("array<string>"), None)
+    checks = failed_expectations(suite) if suite is not None else _NO_CHECKS
     reasons = F.when(F.array_contains("parse_reasons", "not_json"), F.array(F.lit("not_json"))).otherwise(
         F.concat("parse_reasons", checks))
     keyed = F.col("event_id").isNotNull() & F.col("event_time").isNotNull()
@@ -64,9 +66,9 @@ def validated(bronze: DataFrame, suite_path: Path | None = None, validate: bool 
     )
 
 
-def silver_frame(spark: SparkSession, settings: Settings, suite_path: Path | None = None,
-                 validate: bool = True, max_rows: int | None = None,
-                 bronze_path: str | None = None) -> DataFrame:
+def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = None,
+                 max_rows: int | None = None, bronze_path: str | None = None) -> DataFrame:
+    """The deduplicated stream; the raw payload travels on only for rows bound to quarantine."""
     bronze = (
         spark.readStream.format("iotlake_delta_stream")
         .option("path", bronze_path or settings.table_path("bronze"))
@@ -74,11 +76,10 @@ def silver_frame(spark: SparkSession, settings: Settings, suite_path: Path | Non
         .load()
     )
     wm = f"{settings.stream.watermark_seconds} seconds"
-    return (
-        validated(bronze, suite_path, validate)
-        .withWatermark("dedup_time", wm)
-        .dropDuplicatesWithinWatermark(["dedup_key"])
-    )
+    deduped = (validated(bronze, suite).withWatermark("dedup_time", wm)
+               .dropDuplicatesWithinWatermark(["dedup_key"]))
+    keep = [c for c in deduped.columns if c not in ("value", "dedup_key", "dedup_time")]
+    return deduped.select(*keep, F.when(F.size("reasons") > 0, F.col("value")).alias("value"))
 
 
 # ---- per-batch bookkeeping from the checkpoint's offsets log ------------------------------
@@ -92,60 +93,142 @@ def _offset_entry(checkpoint: str, batch_id: int) -> tuple[dict, dict] | None:
 
 
 def batch_input(checkpoint: str, batch_id: int, bronze_path: str) -> tuple[list[int], int, int]:
-    """(bronze versions read, rows read, watermark ms) of one micro-batch."""
+    """(bronze versions read, rows read, watermark ms Spark filtered late rows with).
+
+    The late-row watermark is the previous batch's (0 for the first batch): Spark applies the
+    watermark a batch computes only from the next batch on.
+    """
     cur = _offset_entry(checkpoint, batch_id)
     if cur is None:
         raise RuntimeError(f"offsets log for batch {batch_id} missing in {checkpoint}")
-    meta, end = cur
     prev = _offset_entry(checkpoint, batch_id - 1) if batch_id > 0 else None
+    if batch_id > 0 and prev is None:
+        raise RuntimeError(f"offsets log for batch {batch_id - 1} missing in {checkpoint}")
     start = prev[1]["version"] if prev else -1
-    versions = list(range(start + 1, end["version"] + 1))
+    versions = list(range(start + 1, cur[1]["version"] + 1))
     rows = sum(n for v in versions for _, n in commit_adds(bronze_path, v))
-    return versions, rows, int(meta.get("batchWatermarkMs", 0))
+    return versions, rows, int(prev[0].get("batchWatermarkMs", 0)) if prev else 0
+
+
+def dropped_by_spark(spark: SparkSession, query: str, batch_id: int) -> tuple[int, int] | None:
+    """(late, duplicate) rows the dedup operator dropped in the running batch, from its metrics.
+
+    Read from the query's current execution after the batch ran (classic PySpark, JVM
+    internals): None when unavailable, and the caller then re-reads bronze to find out.
+    """
+    try:
+        execution = spark.streams.get(query)._jsq.streamingQuery().lastExecution()
+        if execution is None or execution.currentBatchId() != batch_id:
+            return None
+        late = dup = found = 0
+        nodes = [execution.executedPlan()]
+        while nodes:
+            node = nodes.pop()
+            if node.nodeName() == _DEDUP_OP:
+                m = node.metrics()
+                late += m.apply("numRowsDroppedByWatermark").value()
+                dup += m.apply("numDroppedDuplicateRows").value()
+                found += 1
+            children = node.children().iterator()
+            while children.hasNext():
+                nodes.append(children.next())
+        return (late, dup) if found == 1 else None
+    except Exception as e:  # noqa: BLE001 - internals moved: fall back to the exact re-read
+        log.debug("dedup metrics unavailable: %s", e)
+        return None
+
+
+def _has_reason(reasons: pa.Array, name: str) -> np.ndarray:
+    """Boolean mask: rows whose reason list contains ``name``."""
+    mask = np.zeros(len(reasons), dtype=bool)
+    parents = pc.list_parent_indices(reasons).filter(pc.equal(pc.list_flatten(reasons), name))
+    mask[parents.to_numpy()] = True
+    return mask
+
+
+def parse_quality(reasons: pa.Array) -> list[dict]:
+    """Quality-log rows (kind ``row``) for every parse check; ``not_json`` is checked on every row,
+    the others on the rows that are JSON objects."""
+    n = len(reasons)
+    counts = failure_counts(reasons)
+    n_json = n - counts.get("not_json", 0)
+    rows = []
+    for name, column in PARSE_CHECKS:
+        evaluated, failed = (n if name == "not_json" else n_json), counts.get(name, 0)
+        rows.append(dict(expectation=name, column=column, kind="row", evaluated=evaluated,
+                         passed=evaluated - failed, failed=failed, success=failed == 0,
+                         details=json.dumps({"type": "parse"})))
+    return rows
 
 
 class SilverBatchWriter:
     """foreachBatch function: route, write exactly once, log quality counts."""
 
     def __init__(self, spark: SparkSession, settings: Settings, checkpoint: str, app_id: str,
-                 suite_path: Path | None = None, bronze_path: str | None = None,
+                 suite: Suite | None = None, bronze_path: str | None = None,
                  paths: dict[str, str] | None = None) -> None:
         self.spark, self.settings, self.checkpoint, self.app_id = spark, settings, checkpoint, app_id
-        self.suite_path = suite_path
+        self.suite = suite
         self.bronze_path = bronze_path or settings.table_path("bronze")
         self.paths = paths or {t: settings.table_path(t) for t in (TABLE, QUARANTINE_TABLE, QUALITY_TABLE)}
         self.last_counts: dict[str, int] = {}
+        self.rereads = 0  # batches whose bronze files were re-read to recover late rows
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        versions, rows_in, watermark_ms = batch_input(self.checkpoint, batch_id, self.bronze_path)
+        versions, rows_in, late_wm = batch_input(self.checkpoint, batch_id, self.bronze_path)
         out = df.toArrow()  # always run the batch: Spark checks every state store committed
         if rows_in == 0:  # no-data batch (watermark advance only): nothing to write
             self.last_counts = {}
             return
         now = datetime.now(UTC)
-        reasons = out.column("reasons")
-        bad = pc.greater(pc.list_value_length(reasons), 0)
-        good_rows = out.filter(pc.invert(bad))
-        bad_rows = out.filter(bad)
-        late = self._late_rows(versions, watermark_ms) if rows_in > out.num_rows else None
-        n_late = late.num_rows if late is not None else 0
-        duplicates = rows_in - out.num_rows - n_late
+        late = self._late(batch_id, versions, late_wm, rows_in - out.num_rows)
+        duplicates = rows_in - out.num_rows - late.num_rows
         if duplicates < 0:
             raise RuntimeError(f"silver batch {batch_id}: accounting broke ({rows_in} in, "
-                               f"{out.num_rows} out, {n_late} late)")
-
-        silver = good_rows.select(SILVER.names).cast(SILVER)
-        quarantine = self._quarantine(bad_rows, now)
-        if late is not None and late.num_rows:
+                               f"{out.num_rows} out, {late.num_rows} late)")
+        reasons = out.column("reasons").combine_chunks()
+        bad = pc.greater(pc.list_value_length(reasons), 0)
+        silver = out.filter(pc.invert(bad)).select(SILVER.names).cast(SILVER)
+        quarantine = self._quarantine(out.filter(bad), now)
+        if late.num_rows:
             quarantine = pa.concat_tables([quarantine, late])
         for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine)):
             if data.num_rows:
                 append_arrow(self.paths[name], data, self.app_id, batch_id)
         self.last_counts = {"rows_in": rows_in, "silver": silver.num_rows,
-                            "quarantine": quarantine.num_rows - n_late, "duplicates": duplicates,
-                            "late": n_late}
-        append_arrow(self.paths[QUALITY_TABLE], self._quality(batch_id, now, reasons, out.num_rows),
+                            "quarantine": quarantine.num_rows - late.num_rows,
+                            "duplicates": duplicates, "late": late.num_rows}
+        append_arrow(self.paths[QUALITY_TABLE], self._quality(batch_id, now, out, reasons),
                      self.app_id, batch_id)
+
+    def _late(self, batch_id: int, versions: list[int], late_wm: int, dropped: int) -> pa.Table:
+        """The rows Spark dropped as late, recovered from bronze only when there are any."""
+        if dropped == 0:
+            return QUARANTINE.empty_table()
+        spark_says = dropped_by_spark(self.spark, self.app_id, batch_id)
+        if spark_says is not None and sum(spark_says) != dropped:  # e.g. a retried task
+            log.warning("silver batch %s: dedup metrics %s do not add up to %s dropped rows; "
+                        "re-reading bronze", batch_id, spark_says, dropped)
+            spark_says = None
+        if spark_says is not None and spark_says[0] == 0:
+            return QUARANTINE.empty_table()
+        late = self._late_rows(versions, late_wm)
+        if spark_says is not None and late.num_rows != spark_says[0]:
+            raise RuntimeError(f"silver batch {batch_id}: Spark dropped {spark_says[0]} rows as "
+                               f"late, bronze re-read found {late.num_rows}")
+        return late
+
+    def _late_rows(self, versions: list[int], watermark_ms: int) -> pa.Table:
+        """Re-read this batch's bronze files; keyed rows at or below the watermark were dropped."""
+        self.rereads += 1
+        files = [str(Path(self.bronze_path, p)) for v in versions for p, _ in commit_adds(self.bronze_path, v)]
+        if not files:
+            return QUARANTINE.empty_table()
+        wm = F.timestamp_micros(F.lit(watermark_ms * 1000))
+        late = (validated(self.spark.read.parquet(*files))
+                .where(F.col("dedup_time").isNotNull() & (F.col("dedup_time") <= wm))
+                .withColumn("reasons", F.array(F.lit("late"))))
+        return self._quarantine(late.toArrow(), datetime.now(UTC))
 
     def _quarantine(self, rows: pa.Table, now: datetime) -> pa.Table:
         reason = pc.binary_join(rows.column("reasons").cast(pa.list_(pa.string())), ",")
@@ -154,41 +237,31 @@ class SilverBatchWriter:
         cols["quarantined_at"] = pa.array([now] * rows.num_rows, pa.timestamp("us", tz="UTC"))
         return pa.table({n: cols[n] for n in QUARANTINE.names}).cast(QUARANTINE)
 
-    def _late_rows(self, versions: list[int], watermark_ms: int) -> pa.Table:
-        """Re-read this batch's bronze files; rows at or below the watermark were dropped."""
-        files = [str(Path(self.bronze_path, p)) for v in versions for p, _ in commit_adds(self.bronze_path, v)]
-        if not files or watermark_ms <= 0:
-            return QUARANTINE.empty_table()
-        wm = datetime.fromtimestamp(watermark_ms / 1000, UTC)
-        raw = self.spark.read.parquet(*files)
-        late = (validated(raw, self.suite_path)
-                .where(F.col("dedup_time").isNotNull() & (F.col("dedup_time") <= F.lit(wm)))
-                .withColumn("reasons", F.array(F.lit("late"))))
-        return self._quarantine(late.toArrow(), datetime.now(UTC))
-
-    def _quality(self, batch_id: int, now: datetime, reasons: pa.ChunkedArray, n: int) -> pa.Table:
+    def _quality(self, batch_id: int, now: datetime, out: pa.Table, reasons: pa.Array) -> pa.Table:
+        """Counters, every parse check, then every suite expectation (row and set level) on the
+        batch's on-time, deduplicated rows that parsed as JSON (what the suite could judge)."""
         rows = [dict(expectation=k, column=None, kind="counter", evaluated=None, passed=None,
                      failed=None, success=True, details=json.dumps({"count": v}))
                 for k, v in self.last_counts.items()]
-        flat = pc.list_flatten(reasons)
-        counts = {} if len(flat) == 0 else {
-            d["values"]: d["counts"] for d in pc.value_counts(flat).to_pylist()}
-        for name, failed in sorted(counts.items()):
-            rows.append(dict(expectation=name, column=None, kind="row", evaluated=n,
-                             passed=n - failed, failed=failed, success=failed == 0, details=None))
+        rows += parse_quality(reasons)
+        if self.suite is not None:
+            rows += arrow_quality(self.suite, out.filter(pa.array(~_has_reason(reasons, "not_json"))), "reasons")
         for r in rows:
             r.update(query_id=self.app_id, batch_id=batch_id, logged_at=now)
         return pa.Table.from_pylist(rows, schema=QUALITY_LOG)
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_rows: int | None = None,
-          suite_path: Path | None = None, validate: bool = True) -> StreamingQuery:
+          suite_path: Path | None = None, validate: bool = True,
+          bronze_path: str | None = None) -> StreamingQuery:
+    """Start the silver stream; ``validate=False`` skips the suite (parse and dedup only)."""
+    suite = load_suite(suite_path) if validate else None  # a bad suite fails before the stream
     ckpt = settings.checkpoint_path(TABLE)
     for name, schema in ((TABLE, SILVER), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
         ensure_table(settings.table_path(name), schema)
-    writer = SilverBatchWriter(spark, settings, ckpt, query_id(ckpt), suite_path)
+    writer = SilverBatchWriter(spark, settings, ckpt, query_id(ckpt), suite, bronze_path)
     return (
-        silver_frame(spark, settings, suite_path, validate, max_rows).writeStream
+        silver_frame(spark, settings, suite, max_rows, bronze_path).writeStream
         .queryName(TABLE)
         .foreachBatch(writer)
         .option("checkpointLocation", ckpt)

@@ -61,6 +61,7 @@ def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
         mqtt={"host": "127.0.0.1", "port": TEST_MQTT_PORT, "client_id": f"iotlake-bridge-{n}",
               "topic_filter": f"t{n}/devices/+/telemetry"},
         stream={"trigger_seconds": 0.5},
+        observability={"metrics_port": 0},
         spark={"master": "local[2]", "shuffle_partitions": 2},
     )
     from lakehouse.services import ensure_topics

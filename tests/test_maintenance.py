@@ -109,11 +109,13 @@ def test_restore_by_timestamp_and_bad_input(lake: Settings) -> None:
     assert version_at(lake, "silver", datetime.now(UTC) + timedelta(days=1)) == 2
     with pytest.raises(ValueError, match="no version at"):
         version_at(lake, "silver", T0)
+    with pytest.raises(ValueError, match="no version at"):
+        restore(lake, "silver", timestamp="2000-01-01T00:00:00")
     with pytest.raises(ValueError, match="exactly one"):
         restore(lake, "silver")
     with pytest.raises(ValueError, match="not ISO 8601"):
         restore(lake, "silver", timestamp="yesterday")
-    with pytest.raises(ValueError, match="cannot load"):
+    with pytest.raises(ValueError, match="no version 99"):
         restore(lake, "silver", version=99)
     with pytest.raises(ValueError, match="valid tables: bronze, silver"):
         compact(lake, ["silverr"])

@@ -198,3 +198,19 @@ def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
     for c in ("mean", "min", "max", "last"):
         assert (m[f"{c}_exp"] - m[c]).abs().max() < 1e-9, c
     assert (m.stddev_exp.fillna(-1) - m.stddev.fillna(-1)).abs().max() < 1e-6
+
+
+def test_pipeline_metrics_one_row_per_batch(settings: Settings, spark) -> None:
+    """After a demo, pipeline_metrics has one row per micro-batch per query; inputs add up."""
+    demo(settings, events=600, devices=6, duplicates=10, malformed=5, timeout=300)
+    pm = rows(settings, "pipeline_metrics")
+    assert not pm.duplicated(["query_id", "batch_id"]).any()
+    by_query = pm.groupby("query_name")["num_input_rows"].sum()
+    assert by_query["bronze"] == 600  # Kafka records read == bronze rows
+    assert by_query["silver"] == 600  # bronze rows read by silver
+    assert by_query["gold_metrics_1m"] == _count(settings, "silver")
+    assert by_query["gold_health"] == _count(settings, "silver")
+    assert pm["batch_duration_ms"].gt(0).all()
+    sil = pm[pm.query_name == "silver"]
+    assert sil["duplicates_dropped"].sum() == 10
+    assert sil["state_rows"].max() > 0

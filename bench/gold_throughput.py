@@ -1,0 +1,199 @@
+"""Benchmark: silver -> gold throughput of the health stream and the window stream.
+
+Writes ``--readings`` synthetic silver readings from ``--devices`` devices (every device reports
+every 10 s of event time; a few spikes, low batteries and errors) into a silver Delta table in
+``--commits`` commits, then drains it with ``availableNow`` and ``max_rows_per_trigger``: the
+health stream alone, the window stream alone, then both at once. State size comes from the last
+progress' ``stateOperators`` (RocksDB). ``--scaling`` repeats the health run at other device
+counts with the same number of readings. Last line: one JSON object.
+
+    .venv/bin/python bench/gold_throughput.py [--devices 10000] [--readings 1000000]
+        [--max-rows 100000] [--scaling 1000,100000] [--skip-windows]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+import gold.health
+import gold.windows
+from lakehouse.settings import Settings, load_settings
+from lakehouse.spark import spark_session
+from lakehouse.tables import SILVER
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+STEP_S = 10  # every device reports every STEP_S seconds of event time
+
+
+def settings_for(root: Path, max_rows: int) -> Settings:
+    return load_settings(environ={}, data_root=str(root),
+                         spark={"master": "local[2]", "shuffle_partitions": 2},
+                         stream={"max_rows_per_trigger": max_rows})
+
+
+def silver_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa.Table:
+    """Readings lo..hi-1: reading i is device i % devices at T0 + (i // devices) * STEP_S."""
+    i = np.arange(lo, hi)
+    dev = i % devices
+    n = hi - lo
+    temp = 20.0 + dev % 7 + rng.normal(0, 0.2, n)
+    temp[rng.random(n) < 1e-4] += 25.0  # rare spikes
+    battery = np.where(dev % 500 == 0, 10.0, 80.0)  # a few devices on low battery
+    status = np.where(rng.random(n) < 1e-4, "error", "ok")
+    t_us = int(T0.timestamp() * 1e6) + (i // devices) * STEP_S * 1_000_000
+    return pa.table({
+        "event_id": pa.array(np.char.add("e", i.astype(str))),
+        "device_id": pa.array(np.char.add("dev-", np.char.zfill(dev.astype(str), 6))),
+        "event_time": pa.array(t_us, pa.timestamp("us", tz="UTC")),
+        "temperature": temp, "humidity": 40.0 + rng.normal(0, 1.0, n), "battery": battery,
+        "status": pa.array(status), "schema_version": pa.array(np.ones(n, np.int32)),
+        "extra": pa.nulls(n, pa.string()), "kafka_partition": pa.array(np.zeros(n, np.int32)),
+        "kafka_offset": i, "ingest_time": pa.array(t_us, pa.timestamp("us", tz="UTC")),
+    }).cast(SILVER)
+
+
+def write_silver(settings: Settings, readings: int, devices: int, commits: int) -> float:
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(7)
+    edges = np.linspace(0, readings, commits + 1).astype(int)
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        write_deltalake(settings.table_path("silver"), silver_batch(lo, hi, devices, rng), mode="append")
+    return time.perf_counter() - t0
+
+
+def state_of(q: StreamingQuery) -> dict:
+    """State rows / memory / RocksDB size from the last progress that reports a state operator."""
+    ops = [p["stateOperators"][0] for p in q.recentProgress if p.get("stateOperators")]
+    if not ops:
+        return {}
+    op = ops[-1]
+    custom = op.get("customMetrics", {})
+    out = {"state_rows": op.get("numRowsTotal"),
+           "state_memory_mb": round(op.get("memoryUsedBytes", 0) / 2**20, 1)}
+    for k in ("rocksdbTotalSizeOnDisk", "rocksdbSstFileSize"):
+        if k in custom:
+            out[f"{k}_mb"] = round(custom[k] / 2**20, 1)
+    return out
+
+
+def rates(q: StreamingQuery, wall: float) -> dict:
+    """Whole = rows / query wall time; steady = rows / trigger time of batches after the first."""
+    prog = [p for p in q.recentProgress if p["numInputRows"]]
+    rows = sum(p["numInputRows"] for p in prog)
+    rest = prog[1:]
+    steady_ms = sum(p["durationMs"]["triggerExecution"] for p in rest)
+    return {
+        "rows": rows, "batches": len(prog), "wall_s": round(wall, 1),
+        "rows_per_s": round(rows / wall),
+        "rows_per_s_steady": round(sum(p["numInputRows"] for p in rest) / steady_ms * 1000)
+        if steady_ms else None,
+        "batch_ms": [p["durationMs"]["triggerExecution"] for p in prog],
+    }
+
+
+def run(starts: list[Callable[[], StreamingQuery]]) -> tuple[list[StreamingQuery], float]:
+    t0 = time.perf_counter()
+    qs = [s() for s in starts]
+    for q in qs:
+        q.awaitTermination()
+        if q.exception():
+            raise RuntimeError(str(q.exception()))
+    return qs, time.perf_counter() - t0
+
+
+def fresh(root: Path, name: str, max_rows: int, silver: str) -> Settings:
+    """Settings with an own data root whose silver table is a link to the shared one."""
+    s = settings_for(root / name, max_rows)
+    Path(s.table_path("silver")).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(silver, s.table_path("silver"))
+    return s
+
+
+def check_scored(settings: Settings, readings: int) -> None:
+    n = DeltaTable(settings.table_path("readings_scored")).count()
+    if n != readings * 3:
+        raise AssertionError(f"readings_scored has {n} rows, want {readings * 3}")
+
+
+def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.Namespace,
+                  windows: bool) -> dict:
+    base = settings_for(root / f"d{devices}", args.max_rows)
+    write_s = write_silver(base, args.readings, devices, args.commits)
+    silver = base.table_path("silver")
+    print(f"{devices} devices: silver written in {write_s:.1f}s", flush=True)
+    s = fresh(root, f"h{devices}", args.max_rows, silver)
+    (hq,), wall = run([lambda: gold.health.start(spark, s, "available_now")])
+    check_scored(s, args.readings)
+    out = {"devices": devices, "health": rates(hq, wall) | state_of(hq)}
+    print("health", json.dumps(out["health"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
+    if windows:
+        w = fresh(root, f"w{devices}", args.max_rows, silver)
+        (wq,), wall = run([lambda: gold.windows.start(spark, w, "available_now")])
+        out["windows"] = rates(wq, wall) | state_of(wq)
+        print("windows", json.dumps(out["windows"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
+        b = fresh(root, f"b{devices}", args.max_rows, silver)
+        (hq, wq), wall = run([lambda: gold.health.start(spark, b, "available_now"),
+                              lambda: gold.windows.start(spark, b, "available_now")])
+        out["both"] = {"wall_s": round(wall, 1), "rows_per_s": round(args.readings / wall),
+                       "health_batches": len(hq.recentProgress), "windows_batches": len(wq.recentProgress)}
+        print("both", json.dumps(out["both"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=10_000)
+    ap.add_argument("--readings", type=int, default=1_000_000)
+    ap.add_argument("--commits", type=int, default=10)
+    ap.add_argument("--max-rows", type=int, default=100_000)
+    ap.add_argument("--scaling", default="1000,100000",
+                    help="comma-separated device counts for health-only runs ('' = none)")
+    ap.add_argument("--skip-windows", action="store_true")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
+    spark = spark_session(settings_for(root / "spark", args.max_rows), app_name="iotlake-gold-bench")
+    try:
+        load0 = os.getloadavg()
+        main_run = bench_devices(spark, root, args.devices, args, windows=not args.skip_windows)
+        scaling = {str(args.devices): main_run["health"]}
+        for d in [int(x) for x in args.scaling.split(",") if x.strip()]:
+            scaling[str(d)] = bench_devices(spark, root, d, args, windows=False)["health"]
+        h = main_run["health"]
+        result = {
+            "devices": args.devices, "readings": args.readings, "max_rows_per_trigger": args.max_rows,
+            "rows_per_s": h["rows_per_s"], "rows_per_s_steady": h["rows_per_s_steady"],
+            "windows_rows_per_s": main_run.get("windows", {}).get("rows_per_s"),
+            "both_rows_per_s": main_run.get("both", {}).get("rows_per_s"),
+            "state_rows": h.get("state_rows"), "state_memory_mb": h.get("state_memory_mb"),
+            "state_disk_mb": h.get("rocksdbTotalSizeOnDisk_mb", h.get("rocksdbSstFileSize_mb")),
+            "windows_state_rows": main_run.get("windows", {}).get("state_rows"),
+            "windows_state_memory_mb": main_run.get("windows", {}).get("state_memory_mb"),
+            "scaling": {d: {k: r.get(k) for k in ("rows_per_s", "rows_per_s_steady", "state_rows",
+                                                  "state_memory_mb", "rocksdbTotalSizeOnDisk_mb",
+                                                  "rocksdbSstFileSize_mb")}
+                        for d, r in scaling.items()},
+            "load_avg_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
+            "cores": os.cpu_count(),
+        }
+        print(json.dumps(result))
+    finally:
+        spark.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

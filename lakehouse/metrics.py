@@ -1,0 +1,163 @@
+"""Streaming metrics: every progress event of every query, to Delta and to Prometheus.
+
+A PySpark ``StreamingQueryListener`` turns each progress event into a ``pipeline_metrics`` row
+(input rows, rates, batch duration and its parts, state rows and memory, watermark, rows dropped
+by the watermark, duplicates dropped, consumer lag) and updates Prometheus gauges. Rows are
+buffered and MERGEd on (query_id, batch_id), so a batch replayed after a restart is one row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+
+import pyarrow as pa
+from prometheus_client import Counter, Gauge
+from pyspark.sql.streaming import StreamingQueryListener
+
+from lakehouse.delta_io import ensure_table
+from lakehouse.tables import PIPELINE_METRICS
+
+log = logging.getLogger(__name__)
+
+_LABEL = ["query"]
+INPUT_ROWS = Counter("iotlake_stream_input_rows", "rows read by a streaming query", _LABEL)
+INPUT_RATE = Gauge("iotlake_stream_input_rows_per_second", "input rate of the last batch", _LABEL)
+PROC_RATE = Gauge("iotlake_stream_processed_rows_per_second", "processing rate of the last batch", _LABEL)
+BATCH_MS = Gauge("iotlake_stream_batch_duration_ms", "trigger execution time of the last batch", _LABEL)
+STATE_ROWS = Gauge("iotlake_stream_state_rows", "rows in the query's state store", _LABEL)
+STATE_BYTES = Gauge("iotlake_stream_state_memory_bytes", "memory used by the state store", _LABEL)
+LAG = Gauge("iotlake_stream_lag", "records (Kafka) or table versions (Delta) not yet read", _LABEL)
+BATCH_ID = Gauge("iotlake_stream_last_batch_id", "last completed micro-batch", _LABEL)
+
+
+def _offsets(value) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def lag_of(source: dict) -> int | None:
+    """Kafka: sum over partitions of latest - read; Delta: latest version - read version."""
+    end, latest = _offsets(source.get("endOffset")), _offsets(source.get("latestOffset"))
+    if not end or not latest:
+        return None
+    if "version" in end and "version" in latest:
+        return max(0, int(latest["version"]) - int(end["version"]))
+    try:
+        return sum(max(0, int(latest[p]) - int(end.get(p, 0))) for p in latest)
+    except (TypeError, ValueError):
+        return None
+
+
+def progress_row(p: dict) -> dict:
+    ops = p.get("stateOperators") or []
+    custom = [o.get("customMetrics") or {} for o in ops]
+    lags = [lag_of(s) for s in p.get("sources") or []]
+    return {
+        "query_name": p.get("name") or "", "query_id": p["id"], "run_id": p.get("runId"),
+        "batch_id": int(p["batchId"]),
+        "timestamp": datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")),
+        "num_input_rows": int(p.get("numInputRows") or 0),
+        "input_rows_per_second": float(p.get("inputRowsPerSecond") or 0.0),
+        "processed_rows_per_second": float(p.get("processedRowsPerSecond") or 0.0),
+        "batch_duration_ms": int((p.get("durationMs") or {}).get("triggerExecution") or 0),
+        "duration_ms": json.dumps(p.get("durationMs") or {}),
+        "state_rows": sum(int(o.get("numRowsTotal") or 0) for o in ops),
+        "state_memory_bytes": sum(int(o.get("memoryUsedBytes") or 0) for o in ops),
+        "rows_dropped_by_watermark": sum(int(o.get("numRowsDroppedByWatermark") or 0) for o in ops),
+        "duplicates_dropped": sum(int(c.get("numDroppedDuplicateRows") or 0) for c in custom),
+        "watermark": (p.get("eventTime") or {}).get("watermark"),
+        "lag": next((x for x in lags if x is not None), None),
+        "progress_json": json.dumps(p),
+    }
+
+
+class MetricsListener(StreamingQueryListener):
+    """Records progress to ``pipeline_metrics`` (flushed every ``flush_seconds``) and Prometheus."""
+
+    def __init__(self, table_path: str, flush_seconds: float = 5.0) -> None:
+        self.path = table_path
+        self.flush_seconds = flush_seconds
+        self._rows: list[dict] = []
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        ensure_table(table_path, PIPELINE_METRICS)
+
+    def onQueryStarted(self, event) -> None:
+        pass
+
+    def onQueryProgress(self, event) -> None:
+        try:
+            row = progress_row(json.loads(event.progress.json))
+        except Exception:  # noqa: BLE001 - metrics must never break a stream
+            log.exception("could not read a progress event")
+            return
+        q = row["query_name"] or row["query_id"]
+        INPUT_ROWS.labels(q).inc(row["num_input_rows"])
+        INPUT_RATE.labels(q).set(row["input_rows_per_second"])
+        PROC_RATE.labels(q).set(row["processed_rows_per_second"])
+        BATCH_MS.labels(q).set(row["batch_duration_ms"])
+        STATE_ROWS.labels(q).set(row["state_rows"])
+        STATE_BYTES.labels(q).set(row["state_memory_bytes"])
+        BATCH_ID.labels(q).set(row["batch_id"])
+        if row["lag"] is not None:
+            LAG.labels(q).set(row["lag"])
+        with self._lock:
+            self._rows.append(row)
+        if time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def onQueryIdle(self, event) -> None:
+        pass
+
+    def onQueryTerminated(self, event) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        """MERGE buffered rows into ``pipeline_metrics`` (one row per query and batch)."""
+        with self._lock:
+            rows, self._rows = self._rows, []
+            self._last_flush = time.monotonic()
+        if not rows:
+            return
+        latest = {(r["query_id"], r["batch_id"]): r for r in rows}  # last report of a batch wins
+        data = pa.Table.from_pylist([{k: r.get(k) for k in PIPELINE_METRICS.names} for r in latest.values()],
+                                    schema=PIPELINE_METRICS)
+        try:
+            from deltalake import DeltaTable
+
+            (DeltaTable(self.path).merge(data, "t.query_id = s.query_id AND t.batch_id = s.batch_id",
+                                         source_alias="s", target_alias="t")
+             .when_matched_update_all().when_not_matched_insert_all().execute())
+        except Exception:  # noqa: BLE001
+            log.exception("could not write pipeline_metrics; %d rows dropped", len(rows))
+
+
+def install(spark, settings) -> MetricsListener:
+    """Attach the listener to the session (one per session, re-pointed if the table moved)."""
+    path = settings.table_path("pipeline_metrics")
+    existing = getattr(spark, "_iotlake_metrics", None)
+    if existing is not None:
+        if existing.path == path:
+            return existing
+        existing.flush()
+        spark.streams.removeListener(existing)
+    listener = MetricsListener(path)
+    spark.streams.addListener(listener)
+    spark._iotlake_metrics = listener
+    return listener
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Expose every iotlake metric (bridge and streams) for Prometheus on ``addr:port``."""
+    from prometheus_client import start_http_server
+
+    start_http_server(port, addr=addr)
+    log.info("Prometheus metrics on http://%s:%d/metrics", addr, port)
