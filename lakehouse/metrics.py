@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
