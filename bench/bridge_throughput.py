@@ -194,6 +194,7 @@ def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path) -> dict:
     span = (max(ts) - min(ts)) / 1000 if ts else float("nan")
     res = {"msgs_per_s": round(len(seen) / span) if span else 0, "span_s": round(span, 2),
            "records": len(ts), "distinct": len(seen), "lost": n - len(seen & set(range(n))),
+           "missing_sample": sorted(set(range(n)) - seen)[:5],
            "publish_msgs_per_s": round(n / pub_s), "wall_s_incl_start": round(wall, 2)}
     print(f"capacity {kind}: {res}", flush=True)
     return res

@@ -44,7 +44,6 @@ from silver.parse import PARSE_CHECKS, parse
 log = logging.getLogger(__name__)
 
 TABLE, QUARANTINE_TABLE, QUALITY_TABLE = "silver", "quarantine", "quality_log"
-_NO_CHECKS = F.array().cast("array<string>")
 _DEDUP_OP = "StreamingDeduplicateWithinWatermark"
 
 
@@ -52,7 +51,7 @@ def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
     """Parsed rows with ``reasons`` (parse problems, then failed suite expectations; a payload
     that is not JSON gets only ``not_json``) and the dedup key and event time."""
     parsed = parse(bronze)
-    checks = failed_expectations(suite) if suite is not None else _NO_CHECKS
+    checks = failed_expectations(suite) if suite is not None else F.array().cast("array<string>")
     reasons = F.when(F.array_contains("parse_reasons", "not_json"), F.array(F.lit("not_json"))).otherwise(
         F.concat("parse_reasons", checks))
     keyed = F.col("event_id").isNotNull() & F.col("event_time").isNotNull()

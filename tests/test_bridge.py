@@ -84,7 +84,9 @@ def running(bridge: Bridge) -> Iterator[Bridge]:
         assert not t.is_alive()
 
 
-def test_end_to_end_exactly_once(settings):
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_end_to_end_exactly_once(settings, protocol):
+    settings = derive(settings, mqtt={"protocol": protocol})
     msgs = generate(settings, 2000, devices=10, seed=1)
     with running(Bridge(settings, "b-e2e")) as b:
         assert publish(settings, msgs) == 2000

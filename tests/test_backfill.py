@@ -1,0 +1,71 @@
+"""Backfill (availableNow on the live checkpoints) and time-travel reprocessing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+
+import pytest
+from confluent_kafka import Producer
+from deltalake import DeltaTable
+
+from ingest.simulator import generate
+from lakehouse.backfill import backfill, rows_to_do
+from lakehouse.kafka_config import client_config
+from lakehouse.settings import Settings
+from lakehouse.streams import CheckpointBusy
+
+START = datetime(2026, 3, 1, tzinfo=UTC)
+
+
+def produce(settings: Settings, messages) -> None:
+    p = Producer(client_config(settings, **{"linger.ms": 5}))
+    for m in messages:
+        p.produce(settings.kafka.topic, key=m.topic.split("/")[-2].encode(), value=m.payload)
+    p.flush(30)
+
+
+def count(settings: Settings, table: str) -> int:
+    return DeltaTable(settings.table_path(table)).to_pyarrow_dataset().count_rows()
+
+
+def test_backfill_catches_up_exactly_and_rerun_changes_nothing(settings: Settings, spark) -> None:
+    msgs = generate(settings, 900, devices=5, duplicates=20, malformed=10, start=START)
+    produce(settings, msgs[:500])
+    assert rows_to_do(settings, "bronze") == 500
+    done = backfill(settings, ["bronze", "silver", "gold"])
+    assert done["bronze"] == 500 and count(settings, "bronze") == 500
+    assert rows_to_do(settings, "silver") == 0
+    produce(settings, msgs[500:])
+    assert rows_to_do(settings, "bronze") == 400
+    done = backfill(settings, ["bronze", "silver", "gold"], max_rows=150)  # bounded batches
+    assert done["bronze"] == 400 and done["silver"] == 400
+    assert count(settings, "bronze") == 900
+    assert count(settings, "silver") == 900 - 20 - 10
+    assert count(settings, "quarantine") == 10
+    versions = {t: DeltaTable(settings.table_path(t)).version()
+                for t in ("bronze", "silver", "gold_metrics_1m", "device_current")}
+    assert backfill(settings, ["bronze", "silver", "gold"]) == {"bronze": 0, "silver": 0, "gold": 0}
+    assert versions == {t: DeltaTable(settings.table_path(t)).version() for t in versions}
+
+
+def test_backfill_refuses_while_live_stream_holds_checkpoint(settings: Settings, spark) -> None:
+    ckpt = settings.checkpoint_path("silver")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from lakehouse.streams import lock_checkpoint; "
+         f"lock_checkpoint({ckpt!r}); print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointBusy, match="in use by another running stream"):
+            backfill(settings, ["silver"])
+        from lakehouse.cli import main
+
+        assert main(["--data-root", settings.data_root, "backfill", "--layer", "silver"]) in (2, 3)
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.2)
