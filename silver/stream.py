@@ -171,7 +171,6 @@ class SilverBatchWriter:
         self.bronze_path = bronze_path or settings.table_path("bronze")
         self.paths = paths or {t: settings.table_path(t) for t in (TABLE, QUARANTINE_TABLE, QUALITY_TABLE)}
         self.last_counts: dict[str, int] = {}
-        self.rereads = 0  # batches whose bronze files were re-read to recover late rows
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         versions, rows_in, late_wm = batch_input(self.checkpoint, batch_id, self.bronze_path)
@@ -219,7 +218,6 @@ class SilverBatchWriter:
 
     def _late_rows(self, versions: list[int], watermark_ms: int) -> pa.Table:
         """Re-read this batch's bronze files; keyed rows at or below the watermark were dropped."""
-        self.rereads += 1
         files = [str(Path(self.bronze_path, p)) for v in versions for p, _ in commit_adds(self.bronze_path, v)]
         if not files:
             return QUARANTINE.empty_table()

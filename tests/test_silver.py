@@ -166,7 +166,21 @@ def test_each_defect_kind_goes_to_quarantine_with_its_exact_reason(spark, lake):
     assert mean == pytest.approx(sum(temps) / len(temps))
 
 
-def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, lake):
+def rereads(monkeypatch) -> list[list[int]]:
+    """Records the bronze versions of each re-read (the late-row recovery) of the writer."""
+    calls: list[list[int]] = []
+    real = silver.stream.SilverBatchWriter._late_rows
+
+    def spy(self, versions, watermark_ms):
+        calls.append(versions)
+        return real(self, versions, watermark_ms)
+
+    monkeypatch.setattr(silver.stream.SilverBatchWriter, "_late_rows", spy)
+    return calls
+
+
+def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, lake, monkeypatch):
+    reread = rereads(monkeypatch)
     b = Bronze(lake)
     first = b.append(*(payload(i) for i in range(10)), payload(3),  # same bytes, same batch
                      payload(5, temperature=29.5),  # same event id, other bytes: still a duplicate
@@ -187,10 +201,12 @@ def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, la
     assert sorted(quarantined(lake).values()) == ["missing_ts,event_time_not_null"] * 2 + ["not_json"] * 2
     assert accounted(lake, b) == {"rows_in": 28, "silver": 18, "quarantine": 4, "duplicates": 6,
                                   "late": 0}
+    assert reread == []  # Spark's dedup metrics said: no late rows, nothing to recover
 
 
-def test_late_rows_are_counted_and_quarantined(spark, lake):
+def test_late_rows_are_counted_and_quarantined(spark, lake, monkeypatch):
     """Spark drops a row as late against the previous batch's watermark (600 s here)."""
+    reread = rereads(monkeypatch)
     b = Bronze(lake)
     mins = lambda m: T + timedelta(minutes=m)  # noqa: E731
     a, epoch = b.append(payload(1, T), payload(2, "1970-01-01T00:00:00Z"))  # batch 0: watermark 0
@@ -212,6 +228,8 @@ def test_late_rows_are_counted_and_quarantined(spark, lake):
     assert all(r["value"] == b.payloads[r["kafka_offset"]] for r in late_rows)
     assert accounted(lake, b) == {"rows_in": 11, "silver": 5, "quarantine": 1, "duplicates": 0,
                                   "late": 5}
+    # the batches with late rows and only those (bronze version 0 is the empty table's creation)
+    assert reread == [[0, 1], [3], [4, 5]]
 
 
 def test_editing_the_suite_changes_routing_on_the_next_run(spark, lake, tmp_path):

@@ -1,0 +1,153 @@
+"""End-to-end latency: MQTT publish -> readable in silver, and -> reflected in device_current.
+
+Runs ``iotlake run --simulate RATE`` (embedded Mosquitto + Tansu, bridge, all streams) as a
+child process for ``--seconds``; meanwhile this script publishes sampled probe readings (device
+``dev-99999``, event time = publish time) and watches the Delta logs: a probe is "in silver"
+when a committed silver version contains its event_id, and "in device_current" when the
+table's row for the probe device has ``last_seen`` >= the probe's time. Last line: one JSON
+object with ``silver_p50_s``, ``silver_p99_s``, ``current_p99_s``, ``events`` and the trigger
+settings used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lakehouse.delta_source import commit_adds, latest_version  # noqa: E402
+from lakehouse.settings import load_settings  # noqa: E402
+
+PROBE = "dev-99999"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rate", type=float, default=5000)
+    ap.add_argument("--devices", type=int, default=500)
+    ap.add_argument("--seconds", type=float, default=150)
+    ap.add_argument("--warmup", type=float, default=30, help="seconds before sampling starts")
+    ap.add_argument("--probe-rate", type=float, default=5, help="probe readings per second")
+    ap.add_argument("--trigger-seconds", type=float, default=0.5)
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
+    settings = load_settings(environ={}, data_root=str(root / "lake"),
+                             kafka={"embedded_port": 19492}, mqtt={"embedded_port": 11983},
+                             stream={"trigger_seconds": args.trigger_seconds},
+                             observability={"metrics_port": 0})
+    cfg = settings.save(root / "settings.json")
+    env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
+    child = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "run", "--simulate", str(args.rate),
+                              "--devices", str(args.devices)], env=env,
+                             stdout=open(root / "run.log", "w"), stderr=subprocess.STDOUT)
+    published: dict[str, float] = {}
+    silver_seen: dict[str, float] = {}
+    current_seen: dict[str, float] = {}
+    stop = threading.Event()
+    try:
+        _wait(lambda: Path(settings.table_path("silver"), "_delta_log").exists() and child.poll() is None,
+              120, "pipeline start")
+        time.sleep(args.warmup)
+        watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
+        watcher.start()
+        _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
+        time.sleep(15)  # let the last probes arrive
+        stop.set()
+        watcher.join()
+    finally:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    lat_s = np.array([silver_seen[e] - published[e] for e in published if e in silver_seen])
+    lat_c = np.array([current_seen[e] - published[e] for e in published if e in current_seen])
+    result = {
+        "events": len(published), "rate": args.rate, "devices": args.devices,
+        "silver_seen": int(lat_s.size), "current_seen": int(lat_c.size),
+        "silver_p50_s": round(float(np.percentile(lat_s, 50)), 3) if lat_s.size else None,
+        "silver_p99_s": round(float(np.percentile(lat_s, 99)), 3) if lat_s.size else None,
+        "current_p50_s": round(float(np.percentile(lat_c, 50)), 3) if lat_c.size else None,
+        "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
+        "trigger_seconds": args.trigger_seconds, "load": os.getloadavg()[0],
+    }
+    print(json.dumps(result))
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def _probe(settings, published: dict[str, float], rate: float, seconds: float) -> None:
+    host, port = settings.mqtt_endpoint
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"probe-{uuid.uuid4().hex[:6]}")
+    c.connect(host, port)
+    c.loop_start()
+    topic = settings.mqtt.topic_filter.replace("+", PROBE)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        eid = uuid.uuid4().hex
+        now = time.time()
+        payload = {"schema_version": 1, "device_id": PROBE, "event_id": eid,
+                   "ts": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                   "temperature": 21.0, "humidity": 40.0, "battery": 90.0, "status": "ok"}
+        published[eid] = now
+        c.publish(topic, json.dumps(payload), qos=1)
+        time.sleep(1.0 / rate)
+    c.loop_stop()
+    c.disconnect()
+
+
+def _watch(settings, published, silver_seen, current_seen, stop: threading.Event) -> None:
+    silver = settings.table_path("silver")
+    current = settings.table_path("device_current")
+    seen_v = latest_version(silver)
+    cur_v = -1
+    while not stop.is_set():
+        v = latest_version(silver)
+        now = time.time()
+        for ver in range(seen_v + 1, v + 1):
+            for path, _ in commit_adds(silver, ver):
+                ids = pq.read_table(Path(silver, path), columns=["event_id", "device_id"]).to_pydict()
+                for e, d in zip(ids["event_id"], ids["device_id"], strict=True):
+                    if d == PROBE and e in published and e not in silver_seen:
+                        silver_seen[e] = now
+        seen_v = max(seen_v, v)
+        cv = latest_version(current)
+        if cv > cur_v:
+            from deltalake import DeltaTable
+
+            t = DeltaTable(current).to_pyarrow_table(columns=["device_id", "last_seen"]).to_pandas()
+            row = t[t.device_id == PROBE]
+            if len(row):
+                last = row.last_seen.iloc[0].timestamp()
+                for e, pt in published.items():
+                    if e not in current_seen and pt <= last + 0.001:
+                        current_seen[e] = now
+            cur_v = cv
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    main()
