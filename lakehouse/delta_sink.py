@@ -15,7 +15,13 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from lakehouse.delta_io import WrittenFile, commit_files, ensure_table, utc_arrow_schema, write_parquet_file
+from lakehouse.delta_io import (
+    WrittenFile,
+    commit_files,
+    ensure_table,
+    utc_arrow_schema,
+    write_parquet_file,
+)
 
 
 @dataclass
