@@ -60,7 +60,8 @@ def device_index(topic_filter: str) -> int | None:
 
 
 class Bridge:
-    """Moves MQTT messages to Kafka; ``run(stop)`` blocks until ``stop`` is set."""
+    """Moves MQTT messages to Kafka; ``run(stop)`` blocks until ``stop`` is set (once per
+    instance: stopping releases the Kafka producer)."""
 
     def __init__(self, settings: Settings, bridge_id: str | None = None) -> None:
         b = settings.bridge
@@ -87,6 +88,7 @@ class Bridge:
         self._ever_connected = False
         self._delay = 0.0
         self._fatal: KafkaError | None = None
+        self._closing = False
         self.latency = LatencyHistogram()
         #: Set once the broker confirmed the subscription (messages published before that
         #: are only kept if an earlier session of this bridge id subscribed).
@@ -249,6 +251,8 @@ class Bridge:
         self._retry.append((time.monotonic() + 1.0, e, reason))
 
     def _on_delivery(self, e: _Entry, err: KafkaError | None, msg: Any) -> None:
+        if self._closing:
+            return
         if err is None:
             e.done = True
             self._c["dead_lettered" if e.dlq else "delivered"] += 1
@@ -388,6 +392,13 @@ class Bridge:
             while client.socket() is not None and time.monotonic() < end:
                 client.loop(0.05)
         producer.flush(min(timeout, 5.0))
+        # Drop what Kafka did not confirm (it is unacked, so the broker re-delivers it) and
+        # release the producer: a stopped bridge must not keep reconnecting to Kafka.
+        self._closing = True
+        producer.purge()
+        producer.poll(0)
+        if hasattr(producer, "close"):  # not in older confluent-kafka
+            producer.close()
         log.info("bridge %s stopped: %s", self.bridge_id, self.stats)
 
 

@@ -307,7 +307,7 @@ class _Columns:
 
     def batch(self, r: KafkaRange) -> pa.RecordBatch:
         n = self.rows
-        headers = _headers_array(self.headers) if self.any_headers else pa.nulls(n, _HEADER_TYPE)
+        headers = _headers_array(self.headers if self.any_headers else None, n)
         return pa.RecordBatch.from_arrays(
             [
                 pa.array(self.keys, pa.binary()),
@@ -344,18 +344,23 @@ def _keep(msgs: list, nxt: int, end: int) -> tuple[list, int]:
     return kept, nxt
 
 
-def _headers_array(headers: list) -> pa.Array:
-    """list<struct<key, value>> built from flat arrays: per-header dicts are slow in pa.array."""
-    offsets, keys, values, valid = [0], [], [], []
+def _headers_array(headers: list | None, n: int) -> pa.Array:
+    """list<struct<key, value>>, [] (not null) for a record without headers.
+
+    A Kafka v2 record always carries a header array, possibly empty. A null list would also cost
+    Spark's Arrow writer quadratic time per batch (Arrow Java's ListVector.setValueCount refills
+    offsets from the last non-null entry on every size check).
+    """
+    items_type = _HEADER_TYPE.value_type
+    if headers is None:
+        empty = pa.array([], items_type)
+        return pa.ListArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), n + 1), empty, _HEADER_TYPE)
+    offsets, keys, values = [0], [], []
     for h in headers:
         if h:
             keys += [k for k, _ in h]
             values += [v for _, v in h]
         offsets.append(len(keys))
-        valid.append(bool(h))
     items = pa.StructArray.from_arrays(
-        [pa.array(keys, pa.string()), pa.array(values, pa.binary())],
-        fields=list(_HEADER_TYPE.value_type),
-    )
-    mask = pa.array([not v for v in valid])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), items, _HEADER_TYPE, mask=mask)
+        [pa.array(keys, pa.string()), pa.array(values, pa.binary())], fields=list(items_type))
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), items, _HEADER_TYPE)

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 
 from lakehouse.settings import Settings
 
@@ -187,13 +187,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--duplicates", type=int, default=None, help="default: events/40")
     d.add_argument("--malformed", type=int, default=None, help="default: events/100")
     d.add_argument("--timeout", type=float, default=600.0)
+    d.add_argument("--start", type=_utc_time, default=None, metavar="ISO_TIME",
+                   help="simulated clock start (with --seed: the same bytes every run)")
+    d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo_cmd)
 
 
 def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
-    result = demo(settings, args.events, args.devices, args.duplicates, args.malformed, args.timeout)
+    result = demo(settings, args.events, args.devices, args.duplicates, args.malformed, args.timeout,
+                  start=args.start, seed=args.seed)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
+
+
+def _utc_time(text: str) -> datetime:
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO time (e.g. 2026-01-01T00:00:00Z)") from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 def _positive(text: str) -> int:

@@ -123,6 +123,8 @@ def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: s
         "max_queued_messages 0\nmax_inflight_messages 0\nmax_queued_bytes 0\n"
         "persistent_client_expiration 1d\nset_tcp_nodelay true\n"
         "log_dest stdout\nlog_type error\nlog_type warning\nlog_type notice\n"
+        # as root, mosquitto would switch to the 'mosquitto' user and lose access to our data dir
+        + ("user root\n" if os.geteuid() == 0 and "user " not in extra_conf else "")
         + extra_conf
     )
     return Service("mosquitto", port, [mosquitto_binary(), "-c", str(conf)], run / "mosquitto.log")

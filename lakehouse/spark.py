@@ -7,11 +7,16 @@ import sys
 
 from pyspark.sql import SparkSession
 
+from lakehouse.cluster import is_local, ship_packages
 from lakehouse.settings import Settings
 
 
 def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession:
-    """Create (or reuse) the session. Workers run this venv's Python so they find pyarrow."""
+    """Create (or reuse) the session. Workers run this venv's Python so they find pyarrow.
+
+    With a cluster master (``spark://``, ``k8s://``, ``yarn``) iotlake's packages are shipped to
+    the executors (``lakehouse.cluster``); executors need the same Python and dependencies.
+    """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     b = (
@@ -35,6 +40,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if not is_local(settings.spark.master):
+        ship_packages(spark)
     register_sources(spark)
     return spark
 

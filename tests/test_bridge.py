@@ -220,24 +220,19 @@ def test_backpressure_when_kafka_down(settings, services_settings):
         pytest.skip(f"port {port} busy")
     s = derive(settings, kafka={"bootstrap": f"127.0.0.1:{port}"}, bridge={"max_inflight": 100})
     msgs = generate(s, 600, devices=5, seed=9)
-    tansu = None
-    with running(Bridge(s, "b-bp")) as b:
+    with contextlib.ExitStack() as cleanup:
+        b = cleanup.enter_context(running(Bridge(s, "b-bp")))
         publish(s, msgs)
         time.sleep(1.5)
         st = b.stats
         assert st["in_flight"] == 100 and st["acked"] == 0 and st["received"] <= 101
         tansu = tansu_service(derive(s, data_root=str(Path(s.data_root) / "k2")), port).start()
-        try:
-            ensure_topics(s)
-            got = consume(s, s.kafka.topic, expect=600, timeout=90)
-            stats = b.stats
-        finally:
-            pass
-    try:
-        assert len(set(ids_of(got))) == 600
-        assert stats["in_flight"] == 0 and stats["acked"] == 600
-    finally:
-        tansu.stop()
+        cleanup.callback(tansu.stop)  # runs after the bridge stopped
+        ensure_topics(s)
+        got = consume(s, s.kafka.topic, expect=600, timeout=90)
+        stats = b.stats
+    assert len(set(ids_of(got))) == 600
+    assert stats["in_flight"] == 0 and stats["acked"] == 600
 
 
 def _free_port() -> int:
@@ -302,6 +297,7 @@ def test_cli_instances(settings, tmp_path):
 
 def _make_certs(d: Path) -> dict[str, str]:
     """A CA, a server cert for 127.0.0.1 and a client cert (files in ``d``)."""
+    pytest.importorskip("cryptography")
     import datetime as dt
     import ipaddress
 

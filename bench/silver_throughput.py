@@ -1,0 +1,163 @@
+"""Benchmark: silver throughput with the expectation suite and without it (``validate=False``).
+
+Builds a bronze table of N rows (~150-byte payloads, 1% duplicates, 1% invalid) in C commits of
+4 files each (one per Kafka partition, as the bronze sink writes them), then runs silver over it
+twice in one Spark session (fresh checkpoints, trigger available_now). Steady state: the sum of
+numInputRows over the sum of durationMs.triggerExecution of every batch after the first (the
+first pays JIT warm-up and state store creation). Each run's quality-log counters are checked
+against the generated data to the row. Last line: one JSON object.
+
+    .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--max-rows 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow as pa
+
+import silver.stream
+from lakehouse.delta_io import commit_files, ensure_table, read_table, write_parquet_file
+from lakehouse.settings import Settings, load_settings
+from lakehouse.spark import spark_session
+from lakehouse.tables import BRONZE
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+PARTITIONS = 4
+_INVALID = (  # (what, payload fields replaced)
+    ("range", {"temperature": "130.5"}), ("enum", {"status": '"broken"'}),
+    ("device", {"device_id": '"dev-1"'}), ("type", {"humidity": '"wet"'}),
+    ("no_id", {"event_id": None}), ("not_json", None),
+)
+
+
+def _payload(i: int, rng: random.Random, over: dict | None = None) -> bytes:
+    fields = {"schema_version": "1", "device_id": f'"dev-{i % 1000 + 1:05d}"',
+              "event_id": f'"{rng.getrandbits(128):032x}"',
+              "ts": f'"{(T0 + timedelta(milliseconds=10 * i)).isoformat(timespec="milliseconds")[:23]}Z"',
+              "temperature": f"{rng.uniform(15, 30):.2f}", "humidity": f"{rng.uniform(30, 70):.2f}",
+              "battery": f"{rng.uniform(20, 100):.2f}", "status": '"ok"'}
+    fields.update(over or {})
+    return ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items() if v is not None) + "}").encode()
+
+
+def build_bronze(path: str, rows: int, commits: int, seed: int = 0) -> Counter[str]:
+    """Write the bronze table; returns the expected silver accounting."""
+    rng = random.Random(seed)
+    kinds = ["dup"] * (rows // 100) + ["bad"] * (rows // 100)
+    kinds += ["ok"] * (rows - len(kinds))
+    rng.shuffle(kinds)
+    kinds[0] = "ok"
+    payloads: list[bytes] = []
+    valid: list[int] = []  # positions of valid events, for duplicates to re-send
+    for i, kind in enumerate(kinds):
+        if kind == "dup":  # a re-send of a recent event (within ~50 s of event time)
+            payloads.append(payloads[valid[-1 - rng.randrange(min(len(valid), 5000))]])
+        elif kind == "bad":
+            _, over = _INVALID[i % len(_INVALID)]
+            payloads.append(b"\xffnot json" if over is None else _payload(i, rng, over))
+        else:
+            payloads.append(_payload(i, rng))
+            valid.append(i)
+    ensure_table(path, BRONZE)
+    per_commit = -(-rows // commits)
+    now = datetime.now(UTC)
+    for c in range(commits):
+        files = []
+        for p in range(PARTITIONS):
+            idx = range(c * per_commit + p, min(rows, (c + 1) * per_commit), PARTITIONS)
+            n = len(idx)
+            files.append(write_parquet_file(path, pa.table({
+                "key": pa.nulls(n, pa.binary()), "value": [payloads[i] for i in idx],
+                "topic": ["telemetry"] * n, "partition": pa.array([p] * n, pa.int32()),
+                "offset": pa.array([i // PARTITIONS for i in idx], pa.int64()),
+                "timestamp": [now] * n, "headers": [[]] * n, "ingest_time": [now] * n,
+            }, schema=BRONZE)))
+        commit_files(path, files, "bench", c)
+    n = Counter(kinds)
+    return Counter(rows_in=rows, silver=n["ok"], quarantine=n["bad"], duplicates=n["dup"], late=0)
+
+
+def counters(settings: Settings) -> Counter[str]:
+    t = read_table(settings.table_path("quality_log"), columns=["kind", "expectation", "details"])
+    out: Counter[str] = Counter()
+    for r in t.to_pylist():
+        if r["kind"] == "counter":
+            out[r["expectation"]] += json.loads(r["details"])["count"]
+    return out
+
+
+def run_silver(spark, settings: Settings, bronze: str, max_rows: int, validate: bool) -> dict:
+    t0 = time.monotonic()
+    q = silver.stream.start(spark, settings, trigger="available_now", max_rows=max_rows,
+                            validate=validate, bronze_path=bronze)
+    q.awaitTermination()
+    wall = time.monotonic() - t0
+    progress = q.recentProgress
+    first = next(p["batchId"] for p in progress if p["numInputRows"] > 0)
+    steady = [p for p in progress if p["batchId"] > first]  # no-data batches included
+    rows = sum(p["numInputRows"] for p in steady)
+    ms = sum(p["durationMs"]["triggerExecution"] for p in steady)
+    parts: Counter[str] = Counter()
+    for p in steady:
+        parts.update({k: v for k, v in p["durationMs"].items() if k != "triggerExecution"})
+    return {"batches": len(progress), "steady_rows": rows, "steady_ms": ms,
+            "rows_per_s": rows / (ms / 1000), "wall_s": round(wall, 1), "ms_parts": dict(parts)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--commits", type=int, default=10)
+    ap.add_argument("--max-rows", type=int, default=100_000, help="max_rows_per_trigger")
+    ap.add_argument("--shuffle-partitions", type=int, default=2)
+    ap.add_argument("--master", default="local[*]")
+    ap.add_argument("--always-reread", action="store_true",
+                    help="ignore Spark's dedup metrics: re-read bronze whenever rows were dropped")
+    args = ap.parse_args()
+    if args.always_reread:
+        silver.stream.dropped_by_spark = lambda *a: None
+
+    root = Path(tempfile.mkdtemp(prefix="iotlake-silver-bench-"))
+    try:
+        def settings(name: str) -> Settings:
+            return load_settings(environ={}, data_root=str(root / name), stream={"watermark_seconds": 600},
+                                 spark={"master": args.master, "shuffle_partitions": args.shuffle_partitions})
+
+        bronze = settings("bronze").table_path("bronze")
+        t0 = time.monotonic()
+        expected = build_bronze(bronze, args.rows, args.commits)
+        built = time.monotonic() - t0
+        spark = spark_session(settings("spark"), app_name="iotlake-silver-bench")
+        runs = {}
+        for name, validate in (("with_validation", True), ("without", False)):
+            s = settings(name)
+            runs[name] = run_silver(spark, s, bronze, args.max_rows, validate)
+            got = counters(s)
+            if validate:
+                assert got == expected, f"{name}: accounting {dict(got)} != expected {dict(expected)}"
+            else:  # without the suite only unparseable rows are quarantined
+                assert got["rows_in"] == args.rows and got["duplicates"] == expected["duplicates"], got
+            print(name, json.dumps(runs[name]), flush=True)
+        spark.stop()
+        with_v, without = runs["with_validation"]["rows_per_s"], runs["without"]["rows_per_s"]
+        print(json.dumps({"bronze_build_s": round(built, 1), "max_rows_per_trigger": args.max_rows,
+                          "shuffle_partitions": args.shuffle_partitions,
+                          "always_reread": args.always_reread}))
+        print(json.dumps({"rows": args.rows, "rows_per_s_with_validation": round(with_v),
+                          "rows_per_s_without": round(without),
+                          "overhead_ratio": round(without / with_v, 3)}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
