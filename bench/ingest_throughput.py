@@ -117,14 +117,17 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--headers", action="store_true", help="attach two headers per message")
     ap.add_argument("--port", type=int, default=0, help="Tansu port (default: a free one)")
+    ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Spark setting, as iotlake.toml's [spark.conf] would give")
     args = ap.parse_args()
+    conf = dict(kv.split("=", 1) for kv in args.spark_conf)
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))
     port = args.port or free_port()
     settings = load_settings(environ={}, data_root=str(root), kafka={
         "bootstrap": f"127.0.0.1:{port}", "embedded_port": port, "partitions": args.partitions,
         "topic": "bench-telemetry", "dead_letter_topic": "bench-dlq",
-    }, spark={"master": "local[2]", "shuffle_partitions": 2})
+    }, spark={"master": "local[2]", "shuffle_partitions": 2, "conf": conf})
     tansu = tansu_service(settings, port=port).start()
     spark = None
     try:
@@ -152,7 +155,7 @@ def main() -> None:
         files = len(DeltaTable(settings.table_path("bronze")).file_uris())
         print(json.dumps({
             "rows": b["rows"], "messages": args.messages, "max_offsets": args.max_offsets,
-            "headers": args.headers, "bronze_files": files, "produce_s": round(produce_s, 1),
+            "headers": args.headers, "spark_conf": conf, "bronze_files": files, "produce_s": round(produce_s, 1),
             "rows_per_s_whole": b["rows_per_s_whole"], "rows_per_s_steady": b["rows_per_s_steady"],
             "noop_rows_per_s_whole": n["rows_per_s_whole"], "noop_rows_per_s_steady": n["rows_per_s_steady"],
             "ratio": round(n["rows_per_s_steady"] / b["rows_per_s_steady"], 3),

@@ -29,6 +29,7 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
         .option("topic", settings.kafka.topic)
         .option("max_offsets_per_trigger", str(max_offsets or settings.stream.max_offsets_per_trigger))
         .option("client_config", json.dumps(settings.kafka.client_config))
+        .option("split_records", str(settings.stream.kafka_split_records))
         .load()
     )
 

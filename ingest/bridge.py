@@ -287,7 +287,8 @@ class Bridge:
         """Bridge until ``stop`` is set, then flush Kafka, ack what it confirmed, disconnect."""
         b = self.settings.bridge
         stop_metrics = (serve(b.metrics_port, BridgeCollector(self.bridge_id, lambda: self.stats,
-                                                              self.latency))
+                                                              self.latency),
+                              self.settings.observability.metrics_bind)
                         if b.metrics_port else None)
         next_log = time.monotonic() + (b.log_interval_seconds or float("inf"))
         last, last_t = dict(self._c), time.monotonic()

@@ -85,12 +85,13 @@ class BridgeCollector(Collector):
         yield h
 
 
-def serve(port: int, collector: BridgeCollector) -> Callable[[], None]:
-    """Serve /metrics on ``port`` (own registry, so several bridges per process work); returns a stopper."""
+def serve(port: int, collector: BridgeCollector, addr: str = "127.0.0.1") -> Callable[[], None]:
+    """Serve /metrics on ``addr:port`` (own registry, so several bridges per process work); returns
+    a stopper. Loopback by default, like every iotlake endpoint."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server, thread = start_http_server(port, registry=registry)
-    log.info("bridge metrics on http://0.0.0.0:%d/metrics", port)
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    log.info("bridge metrics on http://%s:%d/metrics", addr, port)
 
     def stop() -> None:
         server.shutdown()

@@ -123,6 +123,7 @@ class StandaloneCluster:
                  work_dir: str | os.PathLike[str] | None = None, daemon_heap: str = "256m") -> None:
         self.workers, self.cores, self.memory, self.daemon_heap = workers, cores, memory, daemon_heap
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix="iotlake-spark-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.port = self.ui_port = 0
 

@@ -133,9 +133,14 @@ class MetricsListener(StreamingQueryListener):
         try:
             from deltalake import DeltaTable
 
-            (DeltaTable(self.path).merge(data, "t.query_id = s.query_id AND t.batch_id = s.batch_id",
-                                         source_alias="s", target_alias="t")
-             .when_matched_update_all().when_not_matched_insert_all().execute())
+            from lakehouse.delta_io import _retry_conflicts
+
+            # Roles in separate processes (``run --role``) MERGE into this table concurrently:
+            # a commit conflict is retried (the MERGE is keyed, so a retry is idempotent).
+            _retry_conflicts(lambda: (
+                DeltaTable(self.path).merge(data, "t.query_id = s.query_id AND t.batch_id = s.batch_id",
+                                            source_alias="s", target_alias="t")
+                .when_matched_update_all().when_not_matched_insert_all().execute()))
         except Exception:  # noqa: BLE001
             log.exception("could not write pipeline_metrics; %d rows dropped", len(rows))
 

@@ -73,7 +73,9 @@ def run_query(settings: Settings, sql: str, as_of_version: int | None = None,
     """Run DuckDB SQL over the lakehouse tables; time travel applies to every table referenced."""
     if as_of_version is not None and as_of_timestamp is not None:
         raise QueryError("give either as_of_version or as_of_timestamp, not both")
-    con = duckdb.connect(config={"threads": 2})
+    # No file system access from SQL (read_text('/etc/...'), COPY ... TO, ATTACH, INSTALL): the
+    # registered Delta tables are Arrow datasets, read by Arrow, so they are all SQL can see.
+    con = duckdb.connect(config={"threads": 2, "enable_external_access": False})
     try:
         con.execute("SET TimeZone = 'UTC'")
         for name in referenced_tables(sql):

@@ -97,6 +97,9 @@ class SparkSettings(_Section):
 class StreamSettings(_Section):
     trigger_seconds: float = Field(1.0, ge=0)
     max_offsets_per_trigger: int = Field(200_000, ge=1)
+    # >0: split a Kafka partition's range per batch into Spark tasks of this many records
+    # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.
+    kafka_split_records: int = Field(0, ge=0)
     max_rows_per_trigger: int = Field(500_000, ge=1)
     watermark_seconds: int = Field(600, ge=0)
     window_seconds: int = Field(60, ge=1)

@@ -224,6 +224,12 @@ def failed_expectations(suite: Suite) -> Column:
     return F.array_compact(F.array(*[F.when(c, F.lit(n)) for n, c in conds.items()]))
 
 
+def failure_names(suite: Suite) -> Column:
+    """``failed_expectations`` as one comma-joined string ("" if valid): the stream's form, as
+    ``concat_ws`` compiles to plain code where ``array_compact`` runs a lambda per row."""
+    return F.concat_ws(",", *[F.when(c, F.lit(n)) for n, c in suite.row_checks.items()])
+
+
 # ---- quality log: counts per micro-batch, in one aggregation ------------------------------
 
 def _log(c: Check, kind: str, evaluated: int, passed: int | None, failed: int | None,
@@ -357,11 +363,13 @@ _ARROW_AGGREGATES: dict[str, Callable[[pa.ChunkedArray], Any]] = {
 
 
 def failure_counts(failures: pa.ChunkedArray | pa.Array) -> dict[str, int]:
-    """Name -> rows whose failure list holds it."""
+    """Name -> rows whose failures (a list, or a comma-joined string) hold it."""
+    if pa.types.is_string(failures.type) or pa.types.is_large_string(failures.type):
+        failures = pc.split_pattern(failures, ",")
     flat = pc.list_flatten(failures)
     if len(flat) == 0:
         return {}
-    return {d["values"]: d["counts"] for d in pc.value_counts(flat).to_pylist()}
+    return {d["values"]: d["counts"] for d in pc.value_counts(flat).to_pylist() if d["values"]}
 
 
 def arrow_quality(suite: Suite, table: pa.Table,

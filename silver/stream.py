@@ -20,7 +20,6 @@ import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
@@ -32,13 +31,7 @@ from lakehouse.delta_source import commit_adds
 from lakehouse.settings import Settings
 from lakehouse.streams import query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, SILVER
-from silver.expectations import (
-    Suite,
-    arrow_quality,
-    failed_expectations,
-    failure_counts,
-    load_suite,
-)
+from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
 from silver.parse import PARSE_CHECKS, parse
 
 log = logging.getLogger(__name__)
@@ -48,12 +41,14 @@ _DEDUP_OP = "StreamingDeduplicateWithinWatermark"
 
 
 def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
-    """Parsed rows with ``reasons`` (parse problems, then failed suite expectations; a payload
-    that is not JSON gets only ``not_json``) and the dedup key and event time."""
+    """Parsed rows with ``reasons`` (comma-joined parse problems, then failed suite
+    expectations; "" when valid; a payload that is not JSON gets only ``not_json``) and the
+    dedup key and event time."""
     parsed = parse(bronze)
-    checks = failed_expectations(suite) if suite is not None else F.array().cast("array<string>")
-    reasons = F.when(F.array_contains("parse_reasons", "not_json"), F.array(F.lit("not_json"))).otherwise(
-        F.concat("parse_reasons", checks))
+    checks = failure_names(suite) if suite is not None else F.lit("")
+    found = F.col("parse_reasons")
+    reasons = F.when(found == "not_json", found).otherwise(
+        F.concat_ws(",", F.nullif(found, F.lit("")), F.nullif(checks, F.lit(""))))
     keyed = F.col("event_id").isNotNull() & F.col("event_time").isNotNull()
     return (
         parsed.withColumn("reasons", reasons)
@@ -67,7 +62,8 @@ def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
 
 def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = None,
                  max_rows: int | None = None, bronze_path: str | None = None) -> DataFrame:
-    """The deduplicated stream; the raw payload travels on only for rows bound to quarantine."""
+    """The deduplicated stream; the raw payload travels on (through the dedup shuffle and to
+    the driver) only for rows bound to quarantine."""
     bronze = (
         spark.readStream.format("iotlake_delta_stream")
         .option("path", bronze_path or settings.table_path("bronze"))
@@ -75,10 +71,13 @@ def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = 
         .load()
     )
     wm = f"{settings.stream.watermark_seconds} seconds"
-    deduped = (validated(bronze, suite).withWatermark("dedup_time", wm)
-               .dropDuplicatesWithinWatermark(["dedup_key"]))
-    keep = [c for c in deduped.columns if c not in ("value", "dedup_key", "dedup_time")]
-    return deduped.select(*keep, F.when(F.size("reasons") > 0, F.col("value")).alias("value"))
+    return (
+        validated(bronze, suite)
+        .withColumn("value", F.when(F.col("reasons") != "", F.col("value")))
+        .withWatermark("dedup_time", wm)
+        .dropDuplicatesWithinWatermark(["dedup_key"])
+        .drop("dedup_key", "dedup_time")
+    )
 
 
 # ---- per-batch bookkeeping from the checkpoint's offsets log ------------------------------
@@ -137,15 +136,7 @@ def dropped_by_spark(spark: SparkSession, query: str, batch_id: int) -> tuple[in
         return None
 
 
-def _has_reason(reasons: pa.Array, name: str) -> np.ndarray:
-    """Boolean mask: rows whose reason list contains ``name``."""
-    mask = np.zeros(len(reasons), dtype=bool)
-    parents = pc.list_parent_indices(reasons).filter(pc.equal(pc.list_flatten(reasons), name))
-    mask[parents.to_numpy()] = True
-    return mask
-
-
-def parse_quality(reasons: pa.Array) -> list[dict]:
+def parse_quality(reasons: pa.ChunkedArray) -> list[dict]:
     """Quality-log rows (kind ``row``) for every parse check; ``not_json`` is checked on every row,
     the others on the rows that are JSON objects."""
     n = len(reasons)
@@ -184,8 +175,8 @@ class SilverBatchWriter:
         if duplicates < 0:
             raise RuntimeError(f"silver batch {batch_id}: accounting broke ({rows_in} in, "
                                f"{out.num_rows} out, {late.num_rows} late)")
-        reasons = out.column("reasons").combine_chunks()
-        bad = pc.greater(pc.list_value_length(reasons), 0)
+        reasons = out.column("reasons")
+        bad = pc.not_equal(reasons, "")
         silver = out.filter(pc.invert(bad)).select(SILVER.names).cast(SILVER)
         quarantine = self._quarantine(out.filter(bad), now)
         if late.num_rows:
@@ -224,17 +215,17 @@ class SilverBatchWriter:
         wm = F.timestamp_micros(F.lit(watermark_ms * 1000))
         late = (validated(self.spark.read.parquet(*files))
                 .where(F.col("dedup_time").isNotNull() & (F.col("dedup_time") <= wm))
-                .withColumn("reasons", F.array(F.lit("late"))))
+                .withColumn("reasons", F.lit("late")))
         return self._quarantine(late.toArrow(), datetime.now(UTC))
 
     def _quarantine(self, rows: pa.Table, now: datetime) -> pa.Table:
-        reason = pc.binary_join(rows.column("reasons").cast(pa.list_(pa.string())), ",")
         cols = {n: rows.column(n) for n in QUARANTINE.names if n in rows.column_names}
-        cols["reason"] = reason
+        cols["reason"] = rows.column("reasons")
         cols["quarantined_at"] = pa.array([now] * rows.num_rows, pa.timestamp("us", tz="UTC"))
         return pa.table({n: cols[n] for n in QUARANTINE.names}).cast(QUARANTINE)
 
-    def _quality(self, batch_id: int, now: datetime, out: pa.Table, reasons: pa.Array) -> pa.Table:
+    def _quality(self, batch_id: int, now: datetime, out: pa.Table,
+                 reasons: pa.ChunkedArray) -> pa.Table:
         """Counters, every parse check, then every suite expectation (row and set level) on the
         batch's on-time, deduplicated rows that parsed as JSON (what the suite could judge)."""
         rows = [dict(expectation=k, column=None, kind="counter", evaluated=None, passed=None,
@@ -242,7 +233,7 @@ class SilverBatchWriter:
                 for k, v in self.last_counts.items()]
         rows += parse_quality(reasons)
         if self.suite is not None:
-            rows += arrow_quality(self.suite, out.filter(pa.array(~_has_reason(reasons, "not_json"))), "reasons")
+            rows += arrow_quality(self.suite, out.filter(pc.not_equal(reasons, "not_json")), "reasons")
         for r in rows:
             r.update(query_id=self.app_id, batch_id=batch_id, logged_at=now)
         return pa.Table.from_pylist(rows, schema=QUALITY_LOG)
