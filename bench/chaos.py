@@ -38,6 +38,8 @@ def main() -> int:
                     help="role processes (e.g. bridge,streams for one Spark process)")
     ap.add_argument("--mosquitto-outages", type=int, default=0)
     ap.add_argument("--tansu-outages", type=int, default=0)
+    ap.add_argument("--drain-timeout", type=float, default=600.0,
+                    help="seconds to wait for every layer to catch up after the load")
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed when ok)")
     args = ap.parse_args()
 
@@ -45,7 +47,7 @@ def main() -> int:
     cfg = ChaosConfig(root=root, kills=args.kills, rate=args.rate, devices=args.devices,
                       seed=args.seed, interval=tuple(args.interval), downtime=tuple(args.downtime),
                       roles=tuple(args.roles.split(",")), mosquitto_outages=args.mosquitto_outages,
-                      tansu_outages=args.tansu_outages)
+                      tansu_outages=args.tansu_outages, drain_timeout=args.drain_timeout)
     result = run_chaos(cfg)
     print(json.dumps(result["detail"]), file=sys.stderr)
     line = {k: v for k, v in result.items() if k != "detail"}

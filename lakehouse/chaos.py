@@ -243,9 +243,11 @@ class Publisher:
         except BaseException as e:  # noqa: BLE001 - reported by finish()
             self.error = e
 
-    def finish(self, timeout: float = 300.0) -> int:
-        """Stop publishing; wait until the broker acknowledged everything sent; return the count."""
-        self.stop_event.set()
+    def finish(self, timeout: float = 300.0, stop: bool = True) -> int:
+        """Stop publishing (``stop=False``: once the source is exhausted); wait until the broker
+        acknowledged everything sent; return the count."""
+        if stop:
+            self.stop_event.set()
         self.thread.join(timeout)
         deadline = time.monotonic() + timeout
         while self.pub.acked < self.sent and time.monotonic() < deadline:

@@ -3,6 +3,9 @@
 Every streaming micro-batch commits with a Delta *app transaction* (app id = streaming query id,
 version = batch id). ``DeltaTable.transaction_version(app_id)`` tells what was already committed,
 so a batch Spark replays after a crash is skipped instead of written twice.
+
+Table paths may be local or ``s3://`` URIs: ``storage_options`` default to those configured for
+the path (``lakehouse.storage.options_for``), and data files go through ``pyarrow.fs``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction
+
+from lakehouse import storage
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +51,30 @@ def utc_arrow_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema([pa.field(f.name, fix(f.type), True) for f in schema])
 
 
-def ensure_table(path: str, schema: pa.Schema, partition_by: list[str] | None = None) -> DeltaTable:
+def _opts(path: str, storage_options: dict[str, str] | None) -> dict[str, str] | None:
+    return storage_options if storage_options is not None else storage.options_for(path) or None
+
+
+def open_table(path: str, version: int | None = None,
+               storage_options: dict[str, str] | None = None) -> DeltaTable:
+    """``DeltaTable`` with the storage options configured for ``path``."""
+    return DeltaTable(path, version=version, storage_options=_opts(path, storage_options))
+
+
+def ensure_table(path: str, schema: pa.Schema, partition_by: list[str] | None = None,
+                 storage_options: dict[str, str] | None = None) -> DeltaTable:
     """Open the table, creating it empty with ``schema`` if it does not exist yet."""
+    opts = _opts(path, storage_options)
     try:
-        return DeltaTable(path)
+        return DeltaTable(path, storage_options=opts)
     except TableNotFoundError:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        if not storage.is_uri(path):
+            Path(path).mkdir(parents=True, exist_ok=True)
         try:
             return DeltaTable.create(path, utc_arrow_schema(schema), partition_by=partition_by,
-                                     configuration={"delta.appendOnly": "false"})
+                                     configuration={"delta.appendOnly": "false"}, storage_options=opts)
         except Exception:  # another writer created it first
-            return DeltaTable(path)
+            return DeltaTable(path, storage_options=opts)
 
 
 def committed_version(dt: DeltaTable, app_id: str) -> int:
@@ -98,28 +116,45 @@ class WrittenFile:
         return AddAction(self.path, self.size, {}, int(time.time() * 1000), True, self.stats)
 
 
-def write_parquet_file(table_path: str, data: pa.Table) -> WrittenFile:
+def write_parquet_file(table_path: str, data: pa.Table,
+                       storage_options: dict[str, str] | None = None) -> WrittenFile:
     """Write one data file into the table directory (not yet committed: invisible to readers).
 
     zstd level 1 writes about as fast as snappy and makes bronze's JSON payload files ~3x smaller.
     """
     name = f"part-{uuid.uuid4().hex}.zstd.parquet"
-    full = os.path.join(table_path, name)
-    pq.write_table(data, full, compression="zstd", compression_level=1, write_statistics=True)
-    return WrittenFile(name, os.path.getsize(full), data.num_rows, _stats(data))
+    full = storage.join(table_path, name)
+    if not storage.is_uri(full):
+        pq.write_table(data, full, compression="zstd", compression_level=1, write_statistics=True)
+        return WrittenFile(name, os.path.getsize(full), data.num_rows, _stats(data))
+    fs, key = storage.filesystem(full, _opts(full, storage_options))
+    pq.write_table(data, key, compression="zstd", compression_level=1, write_statistics=True,
+                   filesystem=fs)
+    return WrittenFile(name, fs.get_file_info(key).size, data.num_rows, _stats(data))
+
+
+def delete_files(table_path: str, files: list[WrittenFile],
+                 storage_options: dict[str, str] | None = None) -> None:
+    """Remove uncommitted data files (a replayed or aborted batch)."""
+    for f in files:
+        full = storage.join(table_path, f.path)
+        if storage.is_uri(full):
+            storage.delete(full, _opts(full, storage_options))
+        else:
+            Path(full).unlink(missing_ok=True)
 
 
 def commit_files(table_path: str, files: list[WrittenFile], app_id: str, batch_id: int,
-                 retries: int = 20) -> bool:
+                 retries: int = 20, storage_options: dict[str, str] | None = None) -> bool:
     """Commit files written by ``write_parquet_file`` once for (app_id, batch_id).
 
     Returns False (and removes the files) when that batch is already committed.
     """
+    opts = _opts(table_path, storage_options)
     for attempt in range(retries):
-        dt = DeltaTable(table_path)
+        dt = DeltaTable(table_path, storage_options=opts)
         if committed_version(dt, app_id) >= batch_id:
-            for f in files:
-                Path(table_path, f.path).unlink(missing_ok=True)
+            delete_files(table_path, files, opts)
             log.info("batch %s of %s already committed to %s; skipped", batch_id, app_id, table_path)
             return False
         try:
@@ -147,16 +182,18 @@ def _retry_conflicts(fn, retries: int = 20):
 
 
 def append_arrow(table_path: str, data: pa.Table | Iterable[pa.RecordBatch], app_id: str,
-                 batch_id: int, schema: pa.Schema | None = None) -> bool:
+                 batch_id: int, schema: pa.Schema | None = None,
+                 storage_options: dict[str, str] | None = None) -> bool:
     """Driver-side exactly-once append (used by foreachBatch stages)."""
     if not isinstance(data, pa.Table):
         data = pa.Table.from_batches(list(data), schema=schema)
     target = utc_arrow_schema(data.schema)
     data = data.cast(target)
-    ensure_table(table_path, target)
+    opts = _opts(table_path, storage_options)
+    ensure_table(table_path, target, storage_options=opts)
 
     def commit() -> bool:
-        dt = DeltaTable(table_path)
+        dt = DeltaTable(table_path, storage_options=opts)
         if committed_version(dt, app_id) >= batch_id:
             return False
         write_deltalake(
@@ -176,16 +213,18 @@ class MergeSpec:
     update_columns: list[str] = field(default_factory=list)
 
 
-def merge_arrow(table_path: str, data: pa.Table, spec: MergeSpec, app_id: str, batch_id: int) -> bool:
+def merge_arrow(table_path: str, data: pa.Table, spec: MergeSpec, app_id: str, batch_id: int,
+                storage_options: dict[str, str] | None = None) -> bool:
     """Exactly-once MERGE (upsert) of a micro-batch; a replayed batch is skipped."""
     target = utc_arrow_schema(data.schema)
     data = data.cast(target)
-    ensure_table(table_path, target)
+    opts = _opts(table_path, storage_options)
+    ensure_table(table_path, target, storage_options=opts)
     predicate = " AND ".join(f"t.{k} = s.{k}" for k in spec.keys)
     cols = spec.update_columns or [c for c in data.column_names if c not in spec.keys]
 
     def commit() -> bool:
-        dt = DeltaTable(table_path)
+        dt = DeltaTable(table_path, storage_options=opts)
         if committed_version(dt, app_id) >= batch_id:
             return False
         (
@@ -200,10 +239,12 @@ def merge_arrow(table_path: str, data: pa.Table, spec: MergeSpec, app_id: str, b
     return _retry_conflicts(commit)
 
 
-def read_table(table_path: str, version: int | None = None, columns: list[str] | None = None) -> pa.Table:
-    dt = DeltaTable(table_path, version=version) if version is not None else DeltaTable(table_path)
-    return dt.to_pyarrow_table(columns=columns)
+def read_table(table_path: str, version: int | None = None, columns: list[str] | None = None,
+               storage_options: dict[str, str] | None = None) -> pa.Table:
+    return open_table(table_path, version, storage_options).to_pyarrow_table(columns=columns)
 
 
-def table_exists(table_path: str) -> bool:
-    return Path(table_path, "_delta_log").is_dir()
+def table_exists(table_path: str, storage_options: dict[str, str] | None = None) -> bool:
+    if not storage.is_uri(table_path):
+        return Path(table_path, "_delta_log").is_dir()
+    return storage.is_dir(storage.join(table_path, "_delta_log"), _opts(table_path, storage_options))

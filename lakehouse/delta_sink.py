@@ -3,21 +3,24 @@
 Executors write Parquet files straight into the table directory; the driver commits them in one
 delta-rs transaction tagged (app id, batch id), so a replayed batch is detected and dropped.
 Options: ``path`` (table), ``app_id`` (the streaming query id; see ``lakehouse.streams``).
+For an ``s3://`` path the storage options are resolved on the driver (``lakehouse.storage``) and
+travel to the executors inside the pickled writer, never as (loggable) Spark options.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
+from lakehouse import storage
 from lakehouse.delta_io import (
     WrittenFile,
     commit_files,
+    delete_files,
     ensure_table,
     utc_arrow_schema,
     write_parquet_file,
@@ -41,26 +44,31 @@ class DeltaSinkDataSource(DataSource):
             if not self.options.get(key):
                 raise ValueError(f"iotlake_delta sink: option '{key}' is required")
         arrow_schema = utc_arrow_schema(to_arrow_schema(schema, timezone="UTC"))
-        ensure_table(self.options["path"], arrow_schema)
-        return DeltaStreamWriter(self.options["path"], self.options["app_id"], arrow_schema)
+        path = self.options["path"]
+        opts = storage.options_for(path)
+        ensure_table(path, arrow_schema, storage_options=opts)
+        return DeltaStreamWriter(path, self.options["app_id"], arrow_schema, opts)
 
 
 class DeltaStreamWriter(DataSourceStreamArrowWriter):
-    def __init__(self, path: str, app_id: str, schema: pa.Schema) -> None:
+    def __init__(self, path: str, app_id: str, schema: pa.Schema,
+                 storage_options: dict[str, str] | None = None) -> None:
         self.path, self.app_id, self.schema = path, app_id, schema
+        self.storage_options = storage_options or {}
+
+    def __repr__(self) -> str:  # never show credentials
+        return f"DeltaStreamWriter({self.path!r}, {self.app_id!r})"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> FilesWritten:
         batches = [b for b in iterator if b.num_rows]
         if not batches:
             return FilesWritten([])
         table = pa.Table.from_batches(batches).cast(self.schema)
-        return FilesWritten([write_parquet_file(self.path, table)])
+        return FilesWritten([write_parquet_file(self.path, table, self.storage_options)])
 
     def commit(self, messages: list[FilesWritten | None], batchId: int) -> None:
         files = [f for m in messages if m for f in m.files]
-        commit_files(self.path, files, self.app_id, batchId)
+        commit_files(self.path, files, self.app_id, batchId, storage_options=self.storage_options)
 
     def abort(self, messages: list[FilesWritten | None], batchId: int) -> None:
-        for m in messages:
-            for f in (m.files if m else []):
-                Path(self.path, f.path).unlink(missing_ok=True)
+        delete_files(self.path, [f for m in messages if m for f in m.files], self.storage_options)

@@ -3,7 +3,8 @@
 Offsets are ``{"version": v}``: the last table version fully read (-1 before the first). Each
 micro-batch reads the files that commits ``start+1 .. end`` added with ``dataChange=true``;
 compaction commits (OPTIMIZE, dataChange=false) are skipped, so compaction never re-delivers
-rows. Options: ``path``, ``max_rows_per_trigger``, ``starting_version``.
+rows. Options: ``path``, ``max_rows_per_trigger``, ``starting_version``. ``path`` may be an
+``s3://`` URI: the log and data files are read through ``lakehouse.storage`` (pyarrow.fs).
 """
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from lakehouse import storage
+
 
 class DeltaFile(InputPartition):
     def __init__(self, path: str, version: int) -> None:
         self.path, self.version = path, version
 
 
-def commit_adds(table_path: str, version: int) -> list[tuple[str, int]]:
+def commit_adds(table_path: str, version: int,
+                storage_options: dict[str, str] | None = None) -> list[tuple[str, int]]:
     """(relative path, numRecords) of files added with dataChange=true by one commit."""
-    log_file = Path(table_path, "_delta_log", f"{version:020d}.json")
+    log_file = storage.join(table_path, "_delta_log", f"{version:020d}.json")
     adds = []
-    for line in log_file.read_text().splitlines():
+    for line in storage.read_text(log_file, storage_options).splitlines():
         if not line.strip():
             continue
         action = json.loads(line)
@@ -44,7 +48,10 @@ def commit_adds(table_path: str, version: int) -> list[tuple[str, int]]:
     return adds
 
 
-def latest_version(table_path: str) -> int:
+def latest_version(table_path: str, storage_options: dict[str, str] | None = None) -> int:
+    if storage.is_uri(table_path):
+        names = storage.list_names(storage.join(table_path, "_delta_log"), storage_options)
+        return max((int(n[:20]) for n in names if n.endswith(".json") and n[:20].isdigit()), default=-1)
     log_dir = Path(table_path, "_delta_log")
     if not log_dir.is_dir():
         return -1
@@ -64,7 +71,8 @@ class DeltaSourceDataSource(DataSource):
         path = self.options.get("path")
         if not path:
             raise ValueError("iotlake_delta_stream: option 'path' is required")
-        arrow = pa.schema(DeltaTable(path).schema().to_arrow())
+        dt = DeltaTable(path, storage_options=storage.options_for(path) or None)
+        arrow = pa.schema(dt.schema().to_arrow())
         return from_arrow_schema(arrow)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
@@ -78,6 +86,8 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.starting = int(options.get("starting_version", -1))
         self.ending = int(options["ending_version"]) if options.get("ending_version") else None
         self.column_names = schema.fieldNames()
+        # resolved on the driver; pickled with the reader, so executors need no credentials setup
+        self.storage_options = storage.options_for(self.path)
         self._rows: dict[int, int] = {}
         self._target: int | None = None
 
@@ -91,12 +101,12 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._latest()
 
     def _latest(self) -> int:
-        v = latest_version(self.path)
+        v = latest_version(self.path, self.storage_options)
         return v if self.ending is None else min(v, self.ending)
 
     def _rows_in(self, version: int) -> int:
         if version not in self._rows:
-            self._rows[version] = sum(max(n, 0) for _, n in commit_adds(self.path, version))
+            self._rows[version] = sum(max(n, 0) for _, n in commit_adds(self.path, version, self.storage_options))
         return self._rows[version]
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
@@ -119,15 +129,26 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         out: list[InputPartition] = []
         for v in range(start["version"] + 1, end["version"] + 1):
-            out.extend(DeltaFile(str(Path(self.path, p)), v) for p, _ in commit_adds(self.path, v))
+            out.extend(DeltaFile(self._file(p), v)
+                       for p, _ in commit_adds(self.path, v, self.storage_options))
             self._rows.pop(v, None)
         return out
+
+    def _file(self, relative: str) -> str:
+        return storage.join(self.path, relative) if storage.is_uri(self.path) else str(Path(self.path, relative))
 
     def commit(self, end: dict) -> None:
         pass
 
+    def __repr__(self) -> str:  # never show credentials
+        return f"DeltaStreamReader({self.path!r})"
+
     def read(self, partition: DeltaFile) -> Iterator[pa.RecordBatch]:
-        pf = pq.ParquetFile(partition.path)
+        if storage.is_uri(partition.path):
+            fs, key = storage.filesystem(partition.path, self.storage_options)
+            pf = pq.ParquetFile(fs.open_input_file(key))
+        else:
+            pf = pq.ParquetFile(partition.path)
         names = [n for n in self.column_names if n in pf.schema_arrow.names]
         for batch in pf.iter_batches(batch_size=65_536, columns=names):
             if len(names) < len(self.column_names):  # column added later: fill with nulls

@@ -14,7 +14,17 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from lakehouse.storage import is_uri
 
 ENV_PREFIX = "IOTLAKE_"
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
@@ -46,7 +56,8 @@ class KafkaSettings(_Section):
     dead_letter_topic: str = "telemetry-dlq"
     partitions: int = Field(4, ge=1, le=1024)
     # Extra librdkafka properties (e.g. security.protocol, sasl.*), passed through verbatim.
-    client_config: dict[str, str] = Field(default_factory=dict)
+    # Not in repr: it may hold sasl.password / ssl.key.password.
+    client_config: dict[str, str] = Field(default_factory=dict, repr=False)
 
 
 class MqttSettings(_Section):
@@ -139,6 +150,31 @@ class GoldSettings(_Section):
     slide_every_seconds: int = Field(60, ge=60)
 
 
+class StorageSettings(_Section):
+    """Object storage, used when ``data_root`` is a URI (``s3://bucket/prefix``; MinIO, Ceph...).
+
+    Credentials: these keys, their ``*_file`` variants (mounted secrets) or the standard
+    ``AWS_*`` environment. Commits are safe with several writers through S3 conditional writes
+    (delta-rs default); ``allow_unsafe_rename`` is for stores without them, one writer per table.
+    Spark checkpoints cannot go to S3 here (no hadoop-aws jars): they stay on a filesystem under
+    ``checkpoint_root`` (shared, e.g. NFS/HDFS, when executors run on other machines).
+    """
+
+    checkpoint_root: str = ""  # empty: <data_root> (required when data_root is a URI)
+    endpoint_url: str = ""  # empty: AWS; e.g. http://minio:9000
+    region: str = "us-east-1"
+    allow_http: bool = False
+    allow_unsafe_rename: bool = False
+    access_key_id: str = Field("", repr=False)
+    secret_access_key: str = Field("", repr=False)
+    session_token: str = Field("", repr=False)
+    # Extra delta-rs / object_store options, verbatim.
+    options: dict[str, str] = Field(default_factory=lambda: {"conditional_put": "etag"})
+
+
+_STORAGE_SECRETS = ("access_key_id", "secret_access_key", "session_token")
+
+
 class Settings(_Section):
     data_root: str = "./data"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -149,12 +185,44 @@ class Settings(_Section):
     gold: GoldSettings = Field(default_factory=GoldSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
     _pinned: str | None = PrivateAttr(default=None)
+
+    @field_validator("data_root")
+    @classmethod
+    def _supported_root(cls, v: str) -> str:
+        if is_uri(v):
+            scheme = v.split("://", 1)[0]
+            if scheme not in ("s3", "s3a"):
+                raise ValueError(f"object storage {scheme}:// is not supported: use s3:// "
+                                 "(any S3-compatible store) or a local path")
+            return v.rstrip("/")
+        return v
+
+    @model_validator(mode="after")
+    def _checkpoints_on_a_filesystem(self) -> Settings:
+        if is_uri(self.data_root) and not self.storage.checkpoint_root:
+            raise ValueError("storage.checkpoint_root is required when data_root is a URI: Spark "
+                             "checkpoints must stay on a (shared) filesystem, e.g. /var/lib/iotlake")
+        return self
 
     # ---- derived locations -------------------------------------------------------------
     @property
+    def remote(self) -> bool:
+        """Tables live in object storage (``data_root`` is a URI)."""
+        return is_uri(self.data_root)
+
+    @property
     def root(self) -> Path:
-        return Path(self.data_root).expanduser().resolve()
+        """The local directory: ``data_root``, or ``storage.checkpoint_root`` when tables are
+        remote. Checkpoints, run files and ``CURRENT_GENERATION`` live under it."""
+        local = self.storage.checkpoint_root if self.remote else self.data_root
+        return Path(local).expanduser().resolve()
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return Path(self.storage.checkpoint_root).expanduser().resolve() if self.storage.checkpoint_root \
+            else self.root
 
     def generation(self) -> str:
         """The generation of derived tables readers use ("" = the original one).
@@ -173,20 +241,22 @@ class Settings(_Section):
         copy._pinned = generation
         return copy
 
-    def _base(self, name: str, derived: frozenset[str], generation: str | None) -> Path:
+    def _generation_parts(self, name: str, derived: frozenset[str], generation: str | None) -> list[str]:
         gen = self.generation() if generation is None else generation
-        if gen and name in derived:
-            return self.root / "generations" / gen
-        return self.root
+        return ["generations", gen] if gen and name in derived else []
 
     def table_path(self, name: str, generation: str | None = None) -> str:
         """Location of a Delta table by its logical name (``bronze``, ``silver``, ...)."""
         if not name.replace("_", "").isalnum():
             raise SettingsError(f"table name {name!r} must be letters, digits and '_'")
-        return str(self._base(name, DERIVED_TABLES, generation) / "tables" / name)
+        parts = [*self._generation_parts(name, DERIVED_TABLES, generation), "tables", name]
+        if self.remote:
+            return "/".join([self.data_root, *parts])
+        return str(self.root.joinpath(*parts))
 
     def checkpoint_path(self, query: str, generation: str | None = None) -> str:
-        return str(self._base(query, DERIVED_QUERIES, generation) / "checkpoints" / query)
+        parts = [*self._generation_parts(query, DERIVED_QUERIES, generation), "checkpoints", query]
+        return str(self.checkpoint_root.joinpath(*parts))
 
     @property
     def run_dir(self) -> Path:
@@ -219,7 +289,17 @@ class Settings(_Section):
             k: ("***" if "password" in k or "secret" in k else v)
             for k, v in d["kafka"]["client_config"].items()
         }
+        for k in _STORAGE_SECRETS:
+            if d["storage"][k]:
+                d["storage"][k] = "***"
+        d["storage"]["options"] = {k: ("***" if _secret_key(k) else v)
+                                   for k, v in d["storage"]["options"].items()}
         return d
+
+
+def _secret_key(name: str) -> bool:
+    n = name.lower()
+    return any(w in n for w in ("password", "secret", "token", "access_key", "credential"))
 
 
 def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
@@ -257,14 +337,19 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _secret_from_file(data: dict[str, Any]) -> None:
-    """``mqtt.password_file`` lets secrets live in a file (e.g. a mounted secret)."""
-    mqtt = data.get("mqtt", {})
-    pf = mqtt.pop("password_file", None)
-    if pf:
-        try:
-            mqtt["password"] = Path(pf).read_text().strip()
-        except OSError as e:
-            raise SettingsError(f"mqtt.password_file: cannot read {pf!r}: {e.strerror}") from e
+    """``<key>_file`` lets secrets live in a file (e.g. a mounted secret): ``mqtt.password_file``,
+    ``storage.access_key_id_file``, ``storage.secret_access_key_file``, ``storage.session_token_file``."""
+    for section, keys in (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS)):
+        node = data.get(section, {})
+        if not isinstance(node, dict):
+            continue
+        for key in keys:
+            pf = node.pop(f"{key}_file", None)
+            if pf:
+                try:
+                    node[key] = Path(pf).read_text().strip()
+                except OSError as e:
+                    raise SettingsError(f"{section}.{key}_file: cannot read {pf!r}: {e.strerror}") from e
 
 
 def load_settings(
@@ -296,6 +381,6 @@ def load_settings(
             if err["type"] == "extra_forbidden":
                 problems.append(f"unknown setting '{key}' (check the spelling; see iotlake.toml.example)")
             else:
-                shown = "***" if "password" in key else repr(err.get("input"))
+                shown = "***" if _secret_key(key) else repr(err.get("input"))
                 problems.append(f"setting '{key}': {err['msg']} (got {shown})")
         raise SettingsError("invalid configuration:\n  " + "\n  ".join(problems)) from None

@@ -7,6 +7,7 @@ import sys
 
 from pyspark.sql import SparkSession
 
+from lakehouse import storage
 from lakehouse.cluster import is_local, ship_packages
 from lakehouse.settings import Settings
 
@@ -19,6 +20,10 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Object storage: fail fast on bad credentials; export AWS_* for the driver's own delta-rs
+    # calls. Executors get the options inside the pickled Delta source/sink (lakehouse.storage).
+    storage.check(settings)
+    storage.configure(settings)
     b = (
         SparkSession.builder.appName(app_name)
         .master(settings.spark.master)

@@ -1,0 +1,161 @@
+"""Benchmark: Kafka -> bronze -> silver throughput as parallelism grows.
+
+The same N telemetry messages go into topics of 1, 2 and 4 partitions on an embedded Tansu.
+Each Spark configuration drains them with bronze then silver (``availableNow``, the live
+streams' code and checkpoints), after a small warm-up topic that pays Python-worker start-up:
+
+- ``local[1]`` and ``local[2]`` with 1, 2 and 4 partitions;
+- a standalone cluster (pyspark's own jars) of 1 and 2 workers of one core, 4 partitions.
+
+Every configuration runs in its own process, one after another (one driver JVM at a time).
+Rates are rows / wall seconds of the layer's availableNow run. Last line: one JSON object with
+rows/s per configuration and ``speedup_2x`` (cluster, 2 workers over 1, bronze+silver).
+
+    .venv/bin/python bench/scaling.py [--messages 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from confluent_kafka import Producer
+from deltalake import DeltaTable
+
+from lakehouse.cluster import StandaloneCluster, cluster_conf, free_port
+from lakehouse.kafka_config import client_config
+from lakehouse.services import ensure_topics, tansu_service
+from lakehouse.settings import Settings, load_settings
+
+PARTITIONS = (1, 2, 4)
+
+
+def produce(settings: Settings, n: int, devices: int = 500) -> None:
+    """n distinct, valid readings keyed by device (event times 10 ms apart)."""
+    p = Producer(client_config(settings, **{"linger.ms": 50, "batch.num.messages": 10_000,
+                                            "queue.buffering.max.messages": 1_000_000}))
+    for i in range(n):
+        dev = f"dev-{i % devices:05d}"
+        ms = i * 10
+        value = (f'{{"schema_version":1,"event_id":"{i:032x}","device_id":"{dev}",'
+                 f'"ts":"2026-05-01T{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}'
+                 f'.{ms % 1000:03d}Z","temperature":{20 + i % 97 / 10:.2f},'
+                 f'"humidity":{40 + i % 53 / 3:.2f},"battery":{100 - i % 89:.1f},"status":"ok"}}')
+        while True:
+            try:
+                p.produce(settings.kafka.topic, key=dev.encode(), value=value.encode())
+                break
+            except BufferError:
+                p.poll(0.1)
+    if p.flush(120):
+        raise RuntimeError("producer did not flush")
+
+
+# ---- child: one Spark configuration ---------------------------------------------------------
+
+def child(cfg: str, topics: list[str]) -> None:
+    """Drain each topic through bronze and silver; print {topic: {rows, bronze_s, silver_s}}."""
+    from lakehouse.backfill import backfill
+
+    base = load_settings(cfg)
+    out = {}
+    for topic in topics:
+        s = base.model_copy(deep=True)
+        s.data_root = str(Path(base.data_root) / topic)
+        s.kafka.topic = topic
+        t0 = time.perf_counter()
+        done_b = backfill(s, ["bronze"])["bronze"]
+        t1 = time.perf_counter()
+        done_s = backfill(s, ["silver"])["silver"]
+        t2 = time.perf_counter()
+        silver = DeltaTable(s.table_path("silver")).to_pyarrow_dataset().count_rows()
+        out[topic] = {"rows": done_b, "silver_in": done_s, "silver_rows": silver,
+                      "bronze_s": round(t1 - t0, 2), "silver_s": round(t2 - t1, 2)}
+        logging.info("%s: %s", topic, out[topic])
+    print(json.dumps(out), flush=True)
+
+
+def run_child(settings: Settings, work: Path, name: str, topics: list[str]) -> dict:
+    cfg = settings.save(work / f"{name}.json")
+    with open(work / f"{name}.log", "w") as err:
+        p = subprocess.run([sys.executable, __file__, "--child", str(cfg), "--topics", ",".join(topics)],
+                           stdout=subprocess.PIPE, stderr=err, text=True, timeout=3600)
+    if p.returncode:
+        raise RuntimeError(f"{name} failed:\n{(work / f'{name}.log').read_text()[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--warmup", type=int, default=2_000)
+    ap.add_argument("--child")
+    ap.add_argument("--topics")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    if args.child:
+        child(args.child, args.topics.split(","))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="iotlake-bench-scaling-"))
+    port = free_port()
+    base = load_settings(environ={}, data_root=str(work / "lake"), kafka={"embedded_port": port},
+                         observability={"metrics_port": 0})
+    tansu = tansu_service(base, port).start()
+    try:
+        s = base.model_copy(deep=True)
+        s.kafka.bootstrap = base.kafka_bootstrap
+        s.spark.driver_memory = "1g"
+        s.spark.shuffle_partitions = 4
+        s.stream.max_offsets_per_trigger = s.stream.max_rows_per_trigger = max(args.messages, 1)
+        topics = {"warm": 4, **{f"p{n}": n for n in PARTITIONS}}
+        for topic, n in topics.items():
+            t = s.model_copy(deep=True)
+            t.kafka.topic, t.kafka.partitions = topic, n
+            ensure_topics(t)
+            produce(t, args.warmup if topic == "warm" else args.messages)
+        logging.info("produced %d messages into each of %s", args.messages, list(topics))
+
+        results: dict[str, dict] = {}
+        for cores in (1, 2):
+            s.spark.master, s.spark.conf = f"local[{cores}]", {}
+            r = run_child(s, work, f"local{cores}", ["warm", *(f"p{n}" for n in PARTITIONS)])
+            for n in PARTITIONS:
+                results[f"local{cores}_p{n}"] = r[f"p{n}"]
+        for workers in (1, 2):
+            with StandaloneCluster(workers=workers, cores=1, memory="1g",
+                                   work_dir=work / f"cluster{workers}") as c:
+                s.spark.master, s.spark.conf = c.master_url, cluster_conf("768m", cores_max=workers)
+                r = run_child(s, work, f"cluster{workers}w", ["warm", "p4"])
+            results[f"cluster_{workers}w_p4"] = r["p4"]
+    finally:
+        tansu.stop()
+
+    for name, r in results.items():
+        assert r["rows"] == args.messages == r["silver_rows"], (name, r)
+    rate = {f"{k}_rows_per_s": {"bronze": round(r["rows"] / r["bronze_s"]),
+                               "silver": round(r["rows"] / r["silver_s"]),
+                               "bronze_silver": round(r["rows"] / (r["bronze_s"] + r["silver_s"]))}
+            for k, r in results.items()}
+
+    def e2e(k: str) -> float:
+        return rate[f"{k}_rows_per_s"]["bronze_silver"]
+
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"messages": args.messages, **rate,
+                      "speedup_2x": round(e2e("cluster_2w_p4") / e2e("cluster_1w_p4"), 2),
+                      "speedup_local2_over_local1_p4": round(e2e("local2_p4") / e2e("local1_p4"), 2),
+                      "speedup_p4_over_p1_local2": round(e2e("local2_p4") / e2e("local2_p1"), 2)}))
+
+
+if __name__ == "__main__":
+    main()
