@@ -91,7 +91,7 @@ def state_of(q: StreamingQuery) -> dict:
     return out
 
 
-def rates(q: StreamingQuery, wall: float, cpu: float) -> dict:
+def rates(q: StreamingQuery, wall: float, cpu: dict[str, float]) -> dict:
     """Whole = rows / query wall time; steady = rows / trigger time of batches after the first;
     per CPU-second = rows / CPU time of the driver, JVM and workers (x2 = 2 idle cores)."""
     prog = [p for p in q.recentProgress if p["numInputRows"]]
@@ -99,39 +99,43 @@ def rates(q: StreamingQuery, wall: float, cpu: float) -> dict:
     rest = prog[1:]
     steady_ms = sum(p["durationMs"]["triggerExecution"] for p in rest)
     return {
-        "rows": rows, "batches": len(prog), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-        "rows_per_s": round(rows / wall), "rows_per_cpu_s": round(rows / cpu) if cpu else None,
+        "rows": rows, "batches": len(prog), "wall_s": round(wall, 1),
+        "cpu_s": round(sum(cpu.values()), 1), "cpu_s_by_process": cpu, "rows_per_s": round(rows / wall),
+        "rows_per_cpu_s": round(rows / sum(cpu.values())) if sum(cpu.values()) else None,
         "rows_per_s_steady": round(sum(p["numInputRows"] for p in rest) / steady_ms * 1000)
         if steady_ms else None,
         "batch_ms": [p["durationMs"]["triggerExecution"] for p in prog],
     }
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its live descendants (the JVM and its Python workers).
+def cpu_seconds() -> dict[str, float]:
+    """CPU time of this process (driver), the JVM and the Python workers (live ones).
 
     The machine is shared: wall-clock rates depend on others' load, CPU seconds much less.
     """
-    total = 0.0
+    out = {"driver": 0.0, "jvm": 0.0, "workers": 0.0}
     me = psutil.Process()
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            kind = "driver" if p.pid == me.pid else "jvm" if p.name() == "java" else "workers"
+            out[kind] += t.user + t.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return out
 
 
-def run(starts: list[Callable[[], StreamingQuery]]) -> tuple[list[StreamingQuery], float, float]:
-    """Run the queries to completion; returns them, wall seconds and CPU seconds."""
+def run(starts: list[Callable[[], StreamingQuery]]
+        ) -> tuple[list[StreamingQuery], float, dict[str, float]]:
+    """Run the queries to completion; returns them, wall seconds and CPU seconds by process."""
     t0, c0 = time.perf_counter(), cpu_seconds()
     qs = [s() for s in starts]
     for q in qs:
         q.awaitTermination()
         if q.exception():
             raise RuntimeError(str(q.exception()))
-    return qs, time.perf_counter() - t0, cpu_seconds() - c0
+    c1 = cpu_seconds()
+    return qs, time.perf_counter() - t0, {k: round(c1[k] - c0[k], 1) for k in c0}
 
 
 def fresh(root: Path, name: str, max_rows: int, silver: str) -> Settings:
@@ -167,7 +171,7 @@ def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.
         b = fresh(root, f"b{devices}", args.max_rows, silver)
         (hq, wq), wall, cpu = run([lambda: gold.health.start(spark, b, "available_now"),
                                    lambda: gold.windows.start(spark, b, "available_now")])
-        out["both"] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+        out["both"] = {"wall_s": round(wall, 1), "cpu_s": round(sum(cpu.values()), 1),
                        "rows_per_s": round(args.readings / wall),
                        "health_batches": len(hq.recentProgress), "windows_batches": len(wq.recentProgress)}
         print("both", json.dumps(out["both"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
