@@ -55,16 +55,17 @@ QUERY = "gold_health"
 #: report in a micro-batch; fewer: less per-group overhead.
 STATE_BUCKETS = 256
 
-OUT_SCHEMA = (
-    "kind string, device_id string, event_id string, event_time timestamp, metric string, "
-    "value double, score double, baseline double, is_anomaly boolean, status string, "
-    "previous_status string, reason string, status_since timestamp, last_seen timestamp, "
-    "temperature double, humidity double, battery double, anomaly_score double"
-)
-_OUT_COLS = [c.split()[0] for c in OUT_SCHEMA.split(", ")]
-_FLOAT_COLS = {"value", "score", "baseline", "temperature", "humidity", "battery", "anomaly_score"}
-_TS_COLS = {"event_time", "status_since", "last_seen"}  # carried as int64 ns, NaT = null
-_NAT = np.iinfo(np.int64).min
+# One row per reading (kind "reading", its metrics side by side: a third of the rows of one row
+# per metric, which the JVM and both Arrow conversions pay per row), per status change
+# ("status") and per device seen ("current"); HealthBatch unpivots readings per metric.
+OUT_SCHEMA = ", ".join([
+    "kind string, device_id string, event_id string, event_time timestamp",
+    *(f"{m} double, {m}_score double, {m}_baseline double, {m}_anomaly boolean" for m in METRICS),
+    "status string, previous_status string, reason string, status_since timestamp, "
+    "last_seen timestamp, anomaly_score double",
+])
+_OUT_TYPES = dict(c.split() for c in OUT_SCHEMA.split(", "))
+_NAT = np.iinfo(np.int64).min  # timestamps are carried as int64 ns, NaT = null
 
 STATE_SCHEMA = "devices binary"  # an Arrow IPC stream of DEVICE_STATE, one row per device
 DEVICE_STATE = pa.schema([
@@ -125,10 +126,10 @@ class Rows:
     def frame(self) -> pd.DataFrame:
         total = sum(n for n, _ in self.parts)
         data = {}
-        for c in _OUT_COLS:
-            if c in _FLOAT_COLS:
+        for c, typ in _OUT_TYPES.items():
+            if typ == "double":
                 col = np.full(total, np.nan)
-            elif c in _TS_COLS:
+            elif typ == "timestamp":
                 col = np.full(total, _NAT, dtype=np.int64)
             else:
                 col = np.full(total, None, dtype=object)
@@ -137,8 +138,8 @@ class Rows:
                 if c in cols:
                     col[pos:pos + n] = cols[c]
                 pos += n
-            data[c] = col.view("datetime64[ns]") if c in _TS_COLS else col
-        return pd.DataFrame(data, columns=_OUT_COLS)
+            data[c] = col.view("datetime64[ns]") if typ == "timestamp" else col
+        return pd.DataFrame(data)
 
 
 def _ns(ms: int | None) -> int:
@@ -228,12 +229,12 @@ def score_readings(pdf: pd.DataFrame, devs: dict[str, Device], out: Rows, cfg: D
     max_score = np.where(warm, scores, 0.0).max(axis=0)
 
     dev_col = names[codes]
-    event_id = pdf["event_id"].to_numpy(dtype=object)[order]
-    for i, m in enumerate(METRICS):
-        idx = np.flatnonzero(present[i])
-        out.add(len(idx), kind="reading", device_id=dev_col[idx], event_id=event_id[idx],
-                event_time=t_ns[idx], metric=m, value=vals[i, idx], score=scores[i, idx],
-                baseline=base[i, idx], is_anomaly=flags[i, idx])
+    idx = np.flatnonzero(present.any(axis=0))
+    out.add(len(idx), kind="reading", device_id=dev_col[idx],
+            event_id=pdf["event_id"].to_numpy(dtype=object)[order][idx], event_time=t_ns[idx],
+            **{k: v for i, m in enumerate(METRICS) for k, v in (
+                (m, vals[i, idx]), (f"{m}_score", scores[i, idx]), (f"{m}_baseline", base[i, idx]),
+                (f"{m}_anomaly", flags[i, idx]))})
 
     batt_low = vals[METRICS.index("battery")] < gold.battery_low
     err = pdf["status"].to_numpy(dtype=object)[order] == "error"
@@ -284,8 +285,7 @@ class HealthBatch:
         if out.num_rows == 0:
             return
         kind = out.column("kind")
-        readings = out.filter(pc.equal(kind, "reading"))
-        rs = readings.select(READINGS_SCORED.names).cast(READINGS_SCORED)
+        rs = readings_scored(out.filter(pc.equal(kind, "reading")))
         an = rs.filter(rs.column("is_anomaly"))
         hist = out.filter(pc.equal(kind, "status")).rename_columns(
             ["changed_at" if c == "event_time" else c for c in out.column_names])
@@ -299,6 +299,18 @@ class HealthBatch:
                 append_arrow(self.paths[name], data, self.app_id, batch_id)
         if cur.num_rows:
             merge_arrow(self.paths["device_current"], cur, MergeSpec(["device_id"]), self.app_id, batch_id)
+
+
+def readings_scored(readings: pa.Table) -> pa.Table:
+    """Unpivot the state function's reading rows: one row per present metric."""
+    parts = []
+    for m in METRICS:
+        r = readings.filter(pc.is_valid(readings.column(m)))
+        parts.append(pa.table({
+            "event_id": r["event_id"], "device_id": r["device_id"], "event_time": r["event_time"],
+            "metric": pa.repeat(m, r.num_rows), "value": r[m], "score": r[f"{m}_score"],
+            "baseline": r[f"{m}_baseline"], "is_anomaly": r[f"{m}_anomaly"]}))
+    return pa.concat_tables(parts).cast(READINGS_SCORED)
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",

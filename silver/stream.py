@@ -61,15 +61,19 @@ def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
 
 
 def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = None,
-                 max_rows: int | None = None, bronze_path: str | None = None) -> DataFrame:
+                 max_rows: int | None = None, bronze_path: str | None = None,
+                 bronze_ending_version: int | None = None) -> DataFrame:
     """The deduplicated stream; the raw payload travels on (through the dedup shuffle and to
-    the driver) only for rows bound to quarantine."""
-    bronze = (
+    the driver) only for rows bound to quarantine. ``bronze_ending_version`` stops reading
+    bronze at that version (time-travel reprocessing)."""
+    reader = (
         spark.readStream.format("iotlake_delta_stream")
         .option("path", bronze_path or settings.table_path("bronze"))
         .option("max_rows_per_trigger", str(max_rows or settings.stream.max_rows_per_trigger))
-        .load()
     )
+    if bronze_ending_version is not None:
+        reader = reader.option("ending_version", str(bronze_ending_version))
+    bronze = reader.load()
     wm = f"{settings.stream.watermark_seconds} seconds"
     return (
         validated(bronze, suite)
@@ -241,7 +245,7 @@ class SilverBatchWriter:
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_rows: int | None = None,
           suite_path: Path | None = None, validate: bool = True,
-          bronze_path: str | None = None) -> StreamingQuery:
+          bronze_path: str | None = None, bronze_ending_version: int | None = None) -> StreamingQuery:
     """Start the silver stream; ``validate=False`` skips the suite (parse and dedup only)."""
     suite = load_suite(suite_path) if validate else None  # a bad suite fails before the stream
     ckpt = settings.checkpoint_path(TABLE)
@@ -249,7 +253,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_ro
         ensure_table(settings.table_path(name), schema)
     writer = SilverBatchWriter(spark, settings, ckpt, query_id(ckpt), suite, bronze_path)
     return (
-        silver_frame(spark, settings, suite, max_rows, bronze_path).writeStream
+        silver_frame(spark, settings, suite, max_rows, bronze_path, bronze_ending_version).writeStream
         .queryName(TABLE)
         .foreachBatch(writer)
         .option("checkpointLocation", ckpt)
