@@ -1,7 +1,7 @@
 """Anomaly-detection quality on labelled NAB series: our gold detector vs a windowed Gaussian.
 
-    .venv/bin/python bench/anomaly_quality.py [--data DIR] [--via direct] [--batch N]
-                                              [--sensitivity]
+    .venv/bin/python bench/anomaly_quality.py [--data DIR] [--via spark|direct] [--batch N]
+                                              [--max-rows N] [--commits N] [--sensitivity]
 
 ``DIR`` (default ``../shared/data/nab`` from the repo root) holds ``combined_windows.json``
 (file -> labelled anomaly windows) and the CSVs it names (``timestamp,value``). Each series is
@@ -11,9 +11,18 @@ replayed as one device's metric; a detection is a flagged reading, scored with N
 (windows 1000 and 6400, as NAB optimises each detector's threshold), so the ratio is
 conservative. Last line: one JSON object.
 
-The detection step is ``detect(series_df) -> flags``; ``--via`` picks its implementation
-(``direct`` calls ``gold.anomaly.score_batch`` in micro-batches of ``--batch`` readings; a
-Spark replay through the silver -> gold streams can be added to ``VIA``).
+The detection step maps the corpus to flags per series; ``--via`` picks its implementation:
+
+- ``spark`` (default): the real pipeline. Each series is one device (``dev-00001``.., metric
+  ``temperature``; humidity and battery null) in one silver Delta table written in ``--commits``
+  commits in event-time order; ``gold.health`` drains it (``availableNow``, ``--max-rows`` per
+  micro-batch, all devices in one stream) and the flags are read back from ``readings_scored``.
+  Series are shifted by whole days to start on 2026-01-01: the watermark is global, so a series
+  lying years before another would be dropped as late, and whole days keep the time of day the
+  detector's daily profile learns. The direct score is reported alongside: the stream feeds each
+  device's readings sorted by event time, so flags differ from ``direct`` (CSV order) only
+  where a CSV is out of time order.
+- ``direct``: ``gold.anomaly.score_batch`` in micro-batches of ``--batch`` readings, CSV order.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -96,8 +106,85 @@ def detect_direct(series_df: pd.DataFrame, config: DetectorConfig | None = None,
     return np.concatenate(flags) if flags else np.zeros(0, dtype=bool)
 
 
+def flags_direct(corpus: list[Series], config: DetectorConfig, args: argparse.Namespace
+                 ) -> dict[str, np.ndarray]:
+    return {s.name: detect_direct(s.df, config, args.batch) for s in corpus}
+
+
+T0_DAY = pd.Timestamp("2026-01-01")
+
+
+def silver_replay(corpus: list[Series]) -> pd.DataFrame:
+    """The corpus as silver rows, one device per series, shifted by whole days, time-sorted."""
+    parts = []
+    for j, s in enumerate(corpus):
+        ts = s.df["timestamp"]
+        n = len(ts)
+        parts.append(pd.DataFrame({
+            "event_id": [f"{j}-{i}" for i in range(n)], "device_id": f"dev-{j + 1:05d}",
+            "event_time": (ts + (T0_DAY - ts.min().floor("D"))).dt.tz_localize("UTC"),
+            "temperature": s.df["value"].to_numpy(dtype=float), "humidity": None, "battery": None,
+            "status": "ok", "schema_version": 1, "extra": None, "kafka_partition": 0,
+            "kafka_offset": np.arange(n), "ingest_time": pd.Timestamp.now(tz="UTC"),
+        }))
+    return pd.concat(parts, ignore_index=True).sort_values("event_time", kind="stable")
+
+
+def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Namespace
+                ) -> dict[str, np.ndarray]:
+    """Flags from the real silver -> gold health stream (see the module docstring)."""
+    import shutil
+
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    import gold.health
+    from lakehouse.settings import load_settings
+    from lakehouse.spark import spark_session
+    from lakehouse.tables import SILVER
+
+    if config != DetectorConfig():
+        raise ValueError("--via spark runs the stream's detector (settings.gold): default config only")
+    rows = silver_replay(corpus)
+    span_s = int((rows["event_time"].max() - rows["event_time"].min()).total_seconds())
+    root = tempfile.mkdtemp(prefix="iotlake-nab-")
+    # no row can be late (commits are in event-time order); a watermark wider than the corpus
+    # also keeps the offline timeout from firing
+    settings = load_settings(environ={}, data_root=root,
+                             spark={"master": "local[2]", "shuffle_partitions": 2},
+                             stream={"watermark_seconds": span_s + 86_400,
+                                     "max_rows_per_trigger": args.max_rows})
+    spark = None
+    try:
+        for chunk in np.array_split(np.arange(len(rows)), args.commits):
+            write_deltalake(settings.table_path("silver"), pa.Table.from_pandas(
+                rows.iloc[chunk], schema=SILVER, preserve_index=False), mode="append")
+        spark = spark_session(settings, app_name="iotlake-nab")
+        q = gold.health.start(spark, settings, trigger="available_now")
+        q.awaitTermination()
+        if q.exception():
+            raise RuntimeError(f"gold_health failed: {q.exception()}")
+        got = DeltaTable(settings.table_path("readings_scored")).to_pandas(
+            columns=["event_id", "metric", "is_anomaly"])
+    finally:
+        if spark is not None:
+            spark.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    got = got[got["metric"] == "temperature"]
+    ids = got["event_id"].str.split("-", expand=True).astype(int)
+    out = {}
+    for j, s in enumerate(corpus):
+        mine = ids[0] == j
+        if mine.sum() != len(s.df) or ids.loc[mine, 1].nunique() != len(s.df):
+            raise AssertionError(f"{s.name}: {int(mine.sum())} scored readings, want {len(s.df)} "
+                                 "(rows dropped as late or scored twice)")
+        out[s.name] = np.zeros(len(s.df), dtype=bool)
+        out[s.name][ids.loc[mine, 1].to_numpy()] = got.loc[mine, "is_anomaly"].to_numpy(dtype=bool)
+    return out
+
+
 #: Implementations of the detection step, by ``--via``.
-VIA: dict[str, Callable[..., np.ndarray]] = {"direct": detect_direct}
+VIA: dict[str, Callable[..., dict[str, np.ndarray]]] = {"spark": flags_spark, "direct": flags_direct}
 
 
 def detect_baseline(series_df: pd.DataFrame, config: WindowedGaussianConfig) -> np.ndarray:
@@ -106,9 +193,9 @@ def detect_baseline(series_df: pd.DataFrame, config: WindowedGaussianConfig) -> 
                            None)[2]
 
 
-def score_corpus(corpus: list[Series], detect: Callable[[pd.DataFrame], np.ndarray]
+def score_corpus(corpus: list[Series], flags: dict[str, np.ndarray]
                  ) -> tuple[float, dict[str, SeriesScore]]:
-    per = {s.name: score_series(s.times_ns, detect(s.df), s.windows) for s in corpus}
+    per = {s.name: score_series(s.times_ns, flags[s.name], s.windows) for s in corpus}
     return corpus_score(list(per.values())), per
 
 
@@ -158,7 +245,7 @@ def sensitivity(corpus: list[Series], base: DetectorConfig, batch: int) -> dict[
             if isinstance(getattr(base, knob), int):
                 val = max(1, round(val))
             cfg = replace(base, **{knob: val})
-            sc, _ = score_corpus(corpus, lambda df, c=cfg: detect_direct(df, c, batch))
+            sc, _ = score_corpus(corpus, {s.name: detect_direct(s.df, cfg, batch) for s in corpus})
             out[f"{knob}={val:g}"] = round(sc, 2)
             print(f"  {knob:16s} = {val:<10g} score {sc:6.2f}", flush=True)
     return out
@@ -168,15 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
                     help="folder with combined_windows.json and the CSVs (default: %(default)s)")
-    ap.add_argument("--via", choices=sorted(VIA), default="direct",
-                    help="how our detector's detection step runs")
+    ap.add_argument("--via", choices=sorted(VIA), default="spark",
+                    help="how our detector's detection step runs (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=0,
-                    help="micro-batch size fed to score_batch (0 = whole series)")
+                    help="direct: micro-batch size fed to score_batch (0 = whole series)")
+    ap.add_argument("--max-rows", type=int, default=10_000,
+                    help="spark: max_rows_per_trigger of the gold stream (default: %(default)s)")
+    ap.add_argument("--commits", type=int, default=20,
+                    help="spark: silver commits the corpus is written in (default: %(default)s)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also score one-knob perturbations of the default config")
     args = ap.parse_args(argv)
     if args.batch < 0:
         ap.error("--batch must be >= 0")
+    if args.max_rows < 1 or args.commits < 1:
+        ap.error("--max-rows and --commits must be >= 1")
     try:
         corpus = load_corpus(args.data)
     except CorpusError as exc:
@@ -184,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DetectorConfig()
 
     t0 = time.perf_counter()
-    score, per = score_corpus(corpus, lambda df: VIA[args.via](df, cfg, args.batch))
+    flags = VIA[args.via](corpus, cfg, args)
     elapsed = time.perf_counter() - t0
+    score, per = score_corpus(corpus, flags)
+    direct = flags if args.via == "direct" else flags_direct(corpus, cfg, args)
+    d_score, d_per = score_corpus(corpus, direct)
+    differing = {s.name: int((flags[s.name] != direct[s.name]).sum()) for s in corpus}
     readings = sum(len(s.df) for s in corpus)
     # Throughput of the detector alone (no scoring), one whole-series call per series: CPU
     # time of this process (one core), so other load on a shared machine does not count.
@@ -203,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in corpus:
         print(f"{s.name:58s} {_fmt(per[s.name])} | {_fmt(b_per[s.name])}")
     print(f"{'TOTAL':58s} {score:6.2f} | {b_score:6.2f}")
+    if args.via != "direct":
+        print(f"direct (score_batch, CSV order): {d_score:.2f}; flags differing from direct: "
+              f"{ {k: v for k, v in differing.items() if v} or 0}")
     print(f"detector: {rate:,.0f} readings/s per CPU-second ({wall_rate:,.0f}/s wall clock), "
           f"whole series per call; bench pass {elapsed:.2f}s via {args.via}")
     result = {
@@ -214,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_config": {"window": b_cfg.window, "z_threshold": b_cfg.z_threshold},
         "readings_per_s": round(rate),
         "via": args.via,
+        "direct_score": round(d_score, 2),
+        "direct_per_series": _series_json(d_per),
+        "flags_differing_from_direct": differing,
+        "detect_s": round(elapsed, 1),
     }
     if args.sensitivity:
         print("sensitivity (one knob at a time, default config otherwise):")

@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--downtime", type=float, nargs=2, default=(0.5, 4.0), metavar=("MIN", "MAX"))
     ap.add_argument("--roles", default="bridge,bronze,silver,gold",
                     help="role processes (e.g. bridge,streams for one Spark process)")
+    ap.add_argument("--partitions", type=int, default=4, help="Kafka partitions")
+    ap.add_argument("--ready-timeout", type=float, default=60.0,
+                    help="max seconds to wait for a restarted role to work before killing again")
     ap.add_argument("--mosquitto-outages", type=int, default=0)
     ap.add_argument("--tansu-outages", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=600.0,
@@ -47,7 +50,8 @@ def main() -> int:
     cfg = ChaosConfig(root=root, kills=args.kills, rate=args.rate, devices=args.devices,
                       seed=args.seed, interval=tuple(args.interval), downtime=tuple(args.downtime),
                       roles=tuple(args.roles.split(",")), mosquitto_outages=args.mosquitto_outages,
-                      tansu_outages=args.tansu_outages, drain_timeout=args.drain_timeout)
+                      tansu_outages=args.tansu_outages, drain_timeout=args.drain_timeout,
+                      partitions=args.partitions, ready_timeout=args.ready_timeout)
     result = run_chaos(cfg)
     print(json.dumps(result["detail"]), file=sys.stderr)
     line = {k: v for k, v in result.items() if k != "detail"}

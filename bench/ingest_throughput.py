@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Producer
@@ -73,19 +77,67 @@ def produce(settings: Settings, n: int, devices: int = 1000, headers: bool = Fal
     return time.perf_counter() - t0
 
 
-def rates(q: StreamingQuery, wall: float) -> dict:
+def tree_cpu(root: int) -> float:
+    """CPU seconds of ``root`` and its descendants (JVM, Python workers, Tansu), reaped ones too."""
+    procs: dict[int, tuple[int, int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2:].split()
+            procs[int(d)] = (int(f[1]), sum(map(int, f[11:15])))
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in procs.items():
+        kids.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += procs.get(pid, (0, 0))[1]
+        todo += kids.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler(threading.Thread):
+    """Samples this process tree's CPU time, so CPU per row can be taken over the steady batches:
+    on shared cores wall time says as much about the neighbours as about this code."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.samples.append((time.time(), tree_cpu(os.getpid())))
+
+    def between(self, t0: float, t1: float) -> float:
+        times = [t for t, _ in self.samples]
+        cpu = [c for _, c in self.samples]
+        return float(np.interp(t1, times, cpu) - np.interp(t0, times, cpu))
+
+
+def rates(q: StreamingQuery, wall: float, cpu: CpuSampler) -> dict:
     """Whole = all rows / query wall time; steady = rows / trigger time of batches after the first."""
     prog = [p for p in q.recentProgress if p["numInputRows"]]
     rows = sum(p["numInputRows"] for p in prog)
     rest = prog[1:]
     steady_ms = sum(p["durationMs"]["triggerExecution"] for p in rest)
-    return {
+    steady_rows = sum(p["numInputRows"] for p in rest)
+    out = {
         "rows": rows, "batches": len(prog),
         "rows_per_s_whole": round(rows / wall),
-        "rows_per_s_steady": round(sum(p["numInputRows"] for p in rest) / steady_ms * 1000) if steady_ms else None,
+        "rows_per_s_steady": round(steady_rows / steady_ms * 1000) if steady_ms else None,
         "first_batch_ms": prog[0]["durationMs"]["triggerExecution"] if prog else None,
         "batch_ms": [p["durationMs"]["triggerExecution"] for p in prog],
     }
+    if rest:
+        t0 = datetime.fromisoformat(rest[0]["timestamp"].replace("Z", "+00:00")).timestamp()
+        t1 = datetime.fromisoformat(rest[-1]["timestamp"].replace("Z", "+00:00")).timestamp()
+        t1 += rest[-1]["durationMs"]["triggerExecution"] / 1000
+        out["cpu_us_per_row_steady"] = round(cpu.between(t0, t1) / steady_rows * 1e6, 2)
+    return out
 
 
 def run_query(start) -> tuple[StreamingQuery, float]:
@@ -94,6 +146,7 @@ def run_query(start) -> tuple[StreamingQuery, float]:
     q.awaitTermination()
     if q.exception():
         raise RuntimeError(str(q.exception()))
+    time.sleep(0.5)  # one more CPU sample after the last batch
     return q, time.perf_counter() - t0
 
 
@@ -135,9 +188,11 @@ def main() -> None:
         produce_s = produce(settings, args.messages, headers=args.headers)
         print(f"produced {args.messages} in {produce_s:.1f}s", flush=True)
         spark = spark_session(settings, app_name="iotlake-ingest-bench")
+        cpu = CpuSampler()
+        cpu.start()
 
         bq, bwall = run_query(lambda: bronze.stream.start(spark, settings, "available_now", args.max_offsets))
-        b = rates(bq, bwall)
+        b = rates(bq, bwall, cpu)
         print("bronze", json.dumps(b), flush=True)
         check_bronze(settings.table_path("bronze"), args.messages)
 
@@ -148,7 +203,7 @@ def main() -> None:
                     .trigger(availableNow=True).start())
 
         nq, nwall = run_query(noop)
-        n = rates(nq, nwall)
+        n = rates(nq, nwall, cpu)
         print("noop", json.dumps(n), flush=True)
         if n["rows"] != args.messages:
             raise AssertionError(f"noop read {n['rows']} rows, want {args.messages}")
@@ -159,6 +214,9 @@ def main() -> None:
             "rows_per_s_whole": b["rows_per_s_whole"], "rows_per_s_steady": b["rows_per_s_steady"],
             "noop_rows_per_s_whole": n["rows_per_s_whole"], "noop_rows_per_s_steady": n["rows_per_s_steady"],
             "ratio": round(n["rows_per_s_steady"] / b["rows_per_s_steady"], 3),
+            "cpu_us_per_row_steady": b.get("cpu_us_per_row_steady"),
+            "noop_cpu_us_per_row_steady": n.get("cpu_us_per_row_steady"),
+            "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
             "exact_once": True,
         }))
     finally:

@@ -83,6 +83,8 @@ def child(cfg: str, topics: list[str]) -> None:
 
 
 def run_child(settings: Settings, work: Path, name: str, topics: list[str]) -> dict:
+    settings = settings.model_copy(deep=True)
+    settings.data_root = str(work / "lake" / name)  # own tables and checkpoints per configuration
     cfg = settings.save(work / f"{name}.json")
     with open(work / f"{name}.log", "w") as err:
         p = subprocess.run([sys.executable, __file__, "--child", str(cfg), "--topics", ",".join(topics)],

@@ -84,6 +84,7 @@ class ChaosConfig:
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
     kafka_port: int = 0  # 0: pick a free port
     mqtt_port: int = 0
+    partitions: int = 4  # Kafka partitions of the telemetry topic (the project default)
     spark_master: str = "local[2]"
     driver_memory: str = "1g"
     trigger_seconds: float = 1.0
@@ -474,7 +475,8 @@ def chaos_settings(cfg: ChaosConfig, kafka_port: int, mqtt_port: int) -> Setting
         environ={},
         data_root=str(cfg.root / "lake"),
         kafka={"bootstrap": f"127.0.0.1:{kafka_port}", "embedded_port": kafka_port,
-               "topic": "telemetry", "dead_letter_topic": "telemetry-dlq", "partitions": 2},
+               "topic": "telemetry", "dead_letter_topic": "telemetry-dlq",
+               "partitions": cfg.partitions},
         mqtt={"host": "127.0.0.1", "port": mqtt_port, "embedded_port": mqtt_port,
               "client_id": "chaos-bridge", "topic_filter": "devices/+/telemetry"},
         bridge={"log_interval_seconds": 5.0},
@@ -648,7 +650,7 @@ class Chaos:
             "crashes": {r.name: r.crashes for r in self.roles.values()},
             "stuck": stuck + [f"{d} dead" for d in dead],
             "clean_exit": {k: v for k, v in rcs.items()},
-            "rate": cfg.rate,
+            "rate": cfg.rate, "partitions": cfg.partitions,
             **{k: result[k] for k in ("bronze_rows", "silver_rows", "quarantine_rows", "gold_windows",
                                       "accounting_ok")},
             "detail": result["detail"],

@@ -212,5 +212,13 @@ def cluster_conf(executor_memory: str = "512m", cores_max: int | None = None) ->
     return conf
 
 
-if __name__ == "__main__":  # python -m lakehouse.cluster [DEST]: build the zip for spark-submit
+def register(sub) -> None:
+    """``iotlake package [--out DIR]``: the zip for ``spark-submit --py-files`` (needs
+    ``lakehouse.cluster`` in ``lakehouse.cli.COMMAND_MODULES``)."""
+    p = sub.add_parser("package", help="zip iotlake's packages for Spark executors (--py-files)")
+    p.add_argument("--out", default=None, help="directory for the zip (default: a temp dir)")
+    p.set_defaults(func=lambda a, _s: (print(package_zip(a.out)), 0)[1])
+
+
+if __name__ == "__main__":  # python -m lakehouse.cluster [DIR]: build the zip for spark-submit
     print(package_zip(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -380,6 +380,8 @@ def load_settings(
             key = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
                 problems.append(f"unknown setting '{key}' (check the spelling; see iotlake.toml.example)")
+            elif not key:  # a rule across settings: its input is everything, secrets included
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
             else:
                 shown = "***" if _secret_key(key) else repr(err.get("input"))
                 problems.append(f"setting '{key}': {err['msg']} (got {shown})")

@@ -71,14 +71,15 @@ def test_standalone_cluster_matches_local(settings: Settings, tmp_path: Path) ->
                           conf=cluster_conf("512m", cores_max=2))
         remote_result = _demo(remote, tmp_path, "cluster")
         executor_logs = sorted((tmp_path / "cluster").glob("worker-*/app-*/*/stderr"))
+        shipped = {p.parts[-4] for p in (tmp_path / "cluster").glob("worker-*/app-*/*/iotlake-*.zip")}
     for r in (local_result, remote_result):
         assert r["ok"] and r["published"] == r["bronze_rows"] == 600
         assert r["duplicates_dropped"] == 15 and r["quarantine_rows"] == 6
     assert {k: v for k, v in local_result.items() if k != "seconds"} == \
         {k: v for k, v in remote_result.items() if k != "seconds"}
-    # both workers ran tasks, importing iotlake from the shipped zip (not the source tree)
+    # both workers ran tasks, and the driver shipped iotlake's packages to both
     ran = {p.parts[-4] for p in executor_logs if "Finished task" in p.read_text(errors="replace")}
-    assert ran == {"worker-0", "worker-1"}, executor_logs
+    assert ran == shipped == {"worker-0", "worker-1"}, (executor_logs, shipped)
 
     pd.testing.assert_frame_equal(_table(local, "silver", ["event_id"]),
                                   _table(remote, "silver", ["event_id"]), check_exact=True)
@@ -371,8 +372,9 @@ def test_s3_tables_backfill_restart_time_travel_and_bad_credentials(
 def test_settings_for_object_storage_fail_fast(tmp_path: Path) -> None:
     from lakehouse.settings import SettingsError, load_settings
 
-    with pytest.raises(SettingsError, match="checkpoint_root is required"):
-        load_settings(environ={}, data_root="s3://lake/iot")
+    with pytest.raises(SettingsError, match="checkpoint_root is required") as e:
+        load_settings(environ={}, data_root="s3://lake/iot", storage={"secret_access_key": "s3cr3t"})
+    assert "s3cr3t" not in str(e.value)
     with pytest.raises(SettingsError, match="gs:// is not supported"):
         load_settings(environ={}, data_root="gs://lake/iot")
     s = load_settings(environ={"IOTLAKE_STORAGE__SECRET_ACCESS_KEY": "s3cr3t-value"},
