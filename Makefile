@@ -10,7 +10,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RATE   ?= 200
 DEVICES ?= 50
 
-.PHONY: run demo test bench lint airflow dashboard install system-deps clean
+.PHONY: run demo test test-deps bench lint airflow dashboard install system-deps clean
 
 run: install            ## live pipeline on embedded Mosquitto + Tansu, simulated devices; Ctrl-C stops
 	$(BIN)/iotlake run --simulate $(RATE) --devices $(DEVICES)
@@ -18,7 +18,7 @@ run: install            ## live pipeline on embedded Mosquitto + Tansu, simulate
 demo: install           ## bounded run: publish events, wait for gold, print accounting JSON
 	$(BIN)/iotlake demo --events 5000 --devices 20
 
-test: install           ## the whole test suite (real brokers, real Spark, real Delta files)
+test: install test-deps ## the whole test suite (real brokers, real Spark, real Delta files)
 	$(BIN)/python -m pytest -q
 
 lint: install
@@ -40,6 +40,10 @@ system-deps:
 	  echo "installing system packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
+
+test-deps:              ## headless Chromium for the dashboard's browser test
+	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || { \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
 
 bench: install          ## all benchmarks (each prints a last JSON line)
 	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done

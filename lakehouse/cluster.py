@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,6 +123,7 @@ class StandaloneCluster:
     def __init__(self, workers: int = 2, cores: int = 1, memory: str = "1g",
                  work_dir: str | os.PathLike[str] | None = None, daemon_heap: str = "256m") -> None:
         self.workers, self.cores, self.memory, self.daemon_heap = workers, cores, memory, daemon_heap
+        self._own_dir = work_dir is None  # a temp dir of ours is removed by stop()
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix="iotlake-spark-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
@@ -195,6 +197,8 @@ class StandaloneCluster:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait(5)
         self.procs.clear()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> StandaloneCluster:
         return self.start()
