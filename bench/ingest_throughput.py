@@ -2,8 +2,11 @@
 
 Produces N ~150-byte telemetry JSON messages into a 4-partition topic on an embedded Tansu, then
 drains it twice with ``availableNow``: once into bronze (``bronze.stream.start``) and once into
-``noop`` with the same ``bronze_frame``. The first micro-batch pays Python-worker start-up, so
-"steady" rates leave it out. Checks bronze holds every record once. Last line: one JSON object.
+``noop`` with the same ``bronze_frame``, after a warm-up of both on another topic (the JVM's JIT
+would otherwise bill whichever runs first). The first micro-batch pays query start-up, so
+"steady" rates leave it out; on shared cores, CPU microseconds per row (whole process tree,
+Tansu included) are the load-independent figure. Checks bronze holds every record exactly once.
+Last line: one JSON object.
 
     .venv/bin/python bench/ingest_throughput.py [--messages 1000000] [--max-offsets 250000]
 """
@@ -26,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Producer
 from deltalake import DeltaTable
+from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 import bronze.stream
@@ -163,11 +167,31 @@ def check_bronze(path: str, n: int) -> None:
             raise AssertionError(f"partition {part}: offsets not contiguous from 0")
 
 
+def bench_settings(root: Path, port: int, topic: str, partitions: int, conf: dict) -> Settings:
+    return load_settings(environ={}, data_root=str(root / topic), kafka={
+        "bootstrap": f"127.0.0.1:{port}", "embedded_port": port, "partitions": partitions,
+        "topic": topic, "dead_letter_topic": f"{topic}-dlq",
+    }, spark={"master": "local[2]", "shuffle_partitions": 2, "conf": conf})
+
+
+def drain(spark: SparkSession, settings: Settings, max_offsets: int, sink: str) -> StreamingQuery:
+    """Start an availableNow query from the topic's start into bronze or ``noop``."""
+    if sink == "bronze":
+        return bronze.stream.start(spark, settings, "available_now", max_offsets)
+    frame = bronze.stream.bronze_frame(bronze.stream.kafka_stream(spark, settings, max_offsets))
+    return (frame.writeStream.format("noop").queryName("noop")
+            .option("checkpointLocation", settings.checkpoint_path("noop"))
+            .trigger(availableNow=True).start())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--max-offsets", type=int, default=250_000)
     ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=200_000,
+                    help="messages drained through both sinks first (another topic), so JIT "
+                         "compilation is not charged to whichever query runs first; 0: none")
     ap.add_argument("--headers", action="store_true", help="attach two headers per message")
     ap.add_argument("--port", type=int, default=0, help="Tansu port (default: a free one)")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
@@ -177,10 +201,8 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))
     port = args.port or free_port()
-    settings = load_settings(environ={}, data_root=str(root), kafka={
-        "bootstrap": f"127.0.0.1:{port}", "embedded_port": port, "partitions": args.partitions,
-        "topic": "bench-telemetry", "dead_letter_topic": "bench-dlq",
-    }, spark={"master": "local[2]", "shuffle_partitions": 2, "conf": conf})
+    settings = bench_settings(root, port, "bench-telemetry", args.partitions, conf)
+    warm = bench_settings(root, port, "bench-warmup", args.partitions, conf)
     tansu = tansu_service(settings, port=port).start()
     spark = None
     try:
@@ -188,21 +210,19 @@ def main() -> None:
         produce_s = produce(settings, args.messages, headers=args.headers)
         print(f"produced {args.messages} in {produce_s:.1f}s", flush=True)
         spark = spark_session(settings, app_name="iotlake-ingest-bench")
+        if args.warmup:
+            ensure_topics(warm)
+            produce(warm, args.warmup, headers=args.headers)
+            for sink in ("bronze", "noop"):
+                run_query(lambda sink=sink: drain(spark, warm, args.max_offsets, sink))
         cpu = CpuSampler()
         cpu.start()
 
-        bq, bwall = run_query(lambda: bronze.stream.start(spark, settings, "available_now", args.max_offsets))
+        bq, bwall = run_query(lambda: drain(spark, settings, args.max_offsets, "bronze"))
         b = rates(bq, bwall, cpu)
         print("bronze", json.dumps(b), flush=True)
         check_bronze(settings.table_path("bronze"), args.messages)
-
-        def noop() -> StreamingQuery:
-            frame = bronze.stream.bronze_frame(bronze.stream.kafka_stream(spark, settings, args.max_offsets))
-            return (frame.writeStream.format("noop").queryName("noop")
-                    .option("checkpointLocation", settings.checkpoint_path("noop"))
-                    .trigger(availableNow=True).start())
-
-        nq, nwall = run_query(noop)
+        nq, nwall = run_query(lambda: drain(spark, settings, args.max_offsets, "noop"))
         n = rates(nq, nwall, cpu)
         print("noop", json.dumps(n), flush=True)
         if n["rows"] != args.messages:
@@ -210,7 +230,8 @@ def main() -> None:
         files = len(DeltaTable(settings.table_path("bronze")).file_uris())
         print(json.dumps({
             "rows": b["rows"], "messages": args.messages, "max_offsets": args.max_offsets,
-            "headers": args.headers, "spark_conf": conf, "bronze_files": files, "produce_s": round(produce_s, 1),
+            "warmup": args.warmup, "headers": args.headers, "spark_conf": conf,
+            "bronze_files": files, "produce_s": round(produce_s, 1),
             "rows_per_s_whole": b["rows_per_s_whole"], "rows_per_s_steady": b["rows_per_s_steady"],
             "noop_rows_per_s_whole": n["rows_per_s_whole"], "noop_rows_per_s_steady": n["rows_per_s_steady"],
             "ratio": round(n["rows_per_s_steady"] / b["rows_per_s_steady"], 3),
