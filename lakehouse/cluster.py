@@ -12,6 +12,7 @@ download), for the scale-out tests and benchmarks.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import logging
@@ -25,6 +26,10 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ def package_zip(dest_dir: str | os.PathLike[str] | None = None, root: Path = _RO
     return out
 
 
-def ship_packages(spark, dest_dir: str | os.PathLike[str] | None = None) -> Path:
+def ship_packages(spark: SparkSession, dest_dir: str | os.PathLike[str] | None = None) -> Path:
     """Add the package zip to the session so every executor's Python worker imports from it.
 
     The packages are imported on the driver first: ``addPyFile`` also puts the zip on the
@@ -216,7 +221,7 @@ def cluster_conf(executor_memory: str = "512m", cores_max: int | None = None) ->
     return conf
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """``iotlake package [--out DIR]``: the zip for ``spark-submit --py-files`` (needs
     ``lakehouse.cluster`` in ``lakehouse.cli.COMMAND_MODULES``)."""
     p = sub.add_parser("package", help="zip iotlake's packages for Spark executors (--py-files)")
