@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -96,12 +97,35 @@ def counters(settings: Settings) -> Counter[str]:
     return out
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds used by ``pid`` and its descendants (the JVM and its Python workers): the
+    machine may be shared, so wall-clock rows/s alone can mislead."""
+    parents, used = {}, {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            f = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(p.name)] = int(f[1])
+        used[int(p.name)] = sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+    total, frontier = used.get(pid, 0.0), {pid}
+    while frontier:
+        frontier = {q for q, parent in parents.items() if parent in frontier}
+        total += sum(used[q] for q in frontier)
+    return total
+
+
 def run_silver(spark, settings: Settings, bronze: str, max_rows: int, validate: bool) -> dict:
+    pid = spark._jvm.java.lang.ProcessHandle.current().pid()
+    cpu0 = tree_cpu(pid) + time.process_time()
     t0 = time.monotonic()
     q = silver.stream.start(spark, settings, trigger="available_now", max_rows=max_rows,
                             validate=validate, bronze_path=bronze)
     q.awaitTermination()
     wall = time.monotonic() - t0
+    cpu = tree_cpu(pid) + time.process_time() - cpu0
     progress = q.recentProgress
     first = next(p["batchId"] for p in progress if p["numInputRows"] > 0)
     steady = [p for p in progress if p["batchId"] > first]  # no-data batches included
@@ -111,7 +135,9 @@ def run_silver(spark, settings: Settings, bronze: str, max_rows: int, validate: 
     for p in steady:
         parts.update({k: v for k, v in p["durationMs"].items() if k != "triggerExecution"})
     return {"batches": len(progress), "steady_rows": rows, "steady_ms": ms,
-            "rows_per_s": rows / (ms / 1000), "wall_s": round(wall, 1), "ms_parts": dict(parts)}
+            "rows_per_s": rows / (ms / 1000), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+            "rows_per_cpu_s": round(sum(p["numInputRows"] for p in progress) / cpu),
+            "ms_parts": dict(parts)}
 
 
 def main() -> None:
@@ -121,6 +147,8 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=100_000, help="max_rows_per_trigger")
     ap.add_argument("--shuffle-partitions", type=int, default=2)
     ap.add_argument("--master", default="local[*]")
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Spark conf (repeatable), e.g. to try a state store setting")
     ap.add_argument("--always-reread", action="store_true",
                     help="ignore Spark's dedup metrics: re-read bronze whenever rows were dropped")
     args = ap.parse_args()
@@ -131,7 +159,8 @@ def main() -> None:
     try:
         def settings(name: str) -> Settings:
             return load_settings(environ={}, data_root=str(root / name), stream={"watermark_seconds": 600},
-                                 spark={"master": args.master, "shuffle_partitions": args.shuffle_partitions})
+                                 spark={"master": args.master, "shuffle_partitions": args.shuffle_partitions,
+                                        "conf": dict(c.split("=", 1) for c in args.conf)})
 
         bronze = settings("bronze").table_path("bronze")
         t0 = time.monotonic()
@@ -155,8 +184,8 @@ def main() -> None:
         spark.stop()
         with_v, without = runs["with_validation"]["rows_per_s"], runs["without"]["rows_per_s"]
         print(json.dumps({"bronze_build_s": round(built, 1), "max_rows_per_trigger": args.max_rows,
-                          "shuffle_partitions": args.shuffle_partitions,
-                          "always_reread": args.always_reread}))
+                          "shuffle_partitions": args.shuffle_partitions, "conf": args.conf,
+                          "always_reread": args.always_reread, "load_avg_1m": os.getloadavg()[0]}))
         print(json.dumps({"rows": args.rows, "rows_per_s_with_validation": round(with_v),
                           "rows_per_s_without": round(without),
                           "overhead_ratio": round(without / with_v, 3)}))

@@ -44,6 +44,12 @@ def parse(bronze: DataFrame) -> DataFrame:
         # epoch milliseconds are accepted too
         F.when(ts.rlike(r"^\d{12,14}$"), F.timestamp_millis(F.expr("try_cast(_m['ts'] as bigint)"))),
     )
+    # An event time no device clock can produce is unparseable (``bad_ts``): before the epoch, or
+    # more than a day after bronze received the record (relative to ingest_time, so a replay routes
+    # it the same). Kept, it would advance the watermark for everyone (later readings quarantined
+    # as late) and overflow pandas' nanosecond timestamps in gold (a crash on every restart).
+    event_time = F.when(event_time.between(F.timestamp_seconds(F.lit(0)),
+                                           F.col("ingest_time") + F.expr("INTERVAL 1 DAY")), event_time)
     metrics = {c: F.expr(f"try_cast(_m['{c}'] as double)") for c in METRICS}
     reasons = [
         F.when(m.isNull(), F.lit("not_json")),

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from ingest.bridge import DLQ_MAX_VALUE
 from ingest.simulator import Message, publish
 from lakehouse.chaos import quality_accounting
-from lakehouse.pipeline import Running, start_layers
+from lakehouse.pipeline import LAYERS, Running, check_alive, start_layers
 from lakehouse.run import bridge_thread
 from lakehouse.settings import Settings
 
@@ -166,6 +166,21 @@ def _dlq(settings: Settings, expect: int, timeout: float = 60.0) -> list:
         c.close()
 
 
+def _start_one_by_one(spark, settings: Settings) -> dict:
+    """``start_layers`` a layer at a time, each once its queries initialised: on a busy machine
+    starting every query at once can exceed Spark's Python-worker connect timeout."""
+    queries: dict = {}
+    for layer in LAYERS:
+        new = start_layers(spark, settings, (layer,))
+        queries.update(new)
+        deadline = time.monotonic() + 180
+        while any(q.status["message"] == "Initializing sources" for q in new.values()):
+            check_alive(queries)
+            assert time.monotonic() < deadline, f"{layer} did not initialise"
+            time.sleep(0.2)
+    return queries
+
+
 def _rows(path: str) -> int:
     return DeltaTable(path).to_pyarrow_dataset().count_rows()
 
@@ -186,7 +201,7 @@ def test_fuzzed_payloads_are_all_accounted_for(settings: Settings, spark) -> Non
     big = [m for m in messages if len(m.payload) > limit]
     assert big and small
     with bridge_thread(settings):
-        running = Running(spark, settings, start_layers(spark, settings))
+        running = Running(spark, settings, _start_one_by_one(spark, settings))
         try:
             assert publish(settings, messages, max_inflight=100) == len(messages)
             running.wait_caught_up(lambda: _rows(settings.table_path("bronze")), len(small), timeout=300)
