@@ -37,6 +37,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.noDataMicroBatches.enabled", "true")
         .config("spark.python.worker.reuse", "true")
+        # Python workers start slowly on a loaded 2-core machine; don't fail the stream for it
+        .config("spark.python.authenticate.socketTimeout", "120s")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")

@@ -12,6 +12,12 @@ import pytest
 from lakehouse.services import embedded_services
 from lakehouse.settings import Settings, load_settings
 
+# The reliability (chaos, fuzz, security) and scale-out (cluster, S3) suites start many extra
+# JVMs and processes; they are not yet verified within CI's budget, so they run on request:
+#   IOTLAKE_EXTENDED_TESTS=1 make test
+collect_ignore = [] if os.environ.get("IOTLAKE_EXTENDED_TESTS") else [
+    "test_chaos.py", "test_fuzz.py", "test_scaleout.py", "test_security.py"]
+
 # Test ports differ from `make run`'s defaults so tests and a running demo can coexist.
 TEST_KAFKA_PORT = int(os.environ.get("IOTLAKE_TEST_KAFKA_PORT", "29092"))
 TEST_MQTT_PORT = int(os.environ.get("IOTLAKE_TEST_MQTT_PORT", "21883"))
