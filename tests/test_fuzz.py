@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from ingest.bridge import DLQ_MAX_VALUE
 from ingest.simulator import Message, publish
 from lakehouse.chaos import quality_accounting
-from lakehouse.pipeline import LAYERS, Running, check_alive, start_layers
+from lakehouse.pipeline import LAYERS, Running, check_alive, delta_caught_up, start_layers
 from lakehouse.run import bridge_thread
 from lakehouse.settings import Settings
 
@@ -187,19 +187,57 @@ def _dlq(settings: Settings, expect: int, timeout: float = 60.0) -> list:
         c.close()
 
 
-def _start_one_by_one(spark, settings: Settings) -> dict:
-    """``start_layers`` a layer at a time, each once its queries initialised: on a busy machine
-    starting every query at once can exceed Spark's Python-worker connect timeout."""
-    queries: dict = {}
-    for layer in LAYERS:
-        new = start_layers(spark, settings, (layer,))
-        queries.update(new)
-        deadline = time.monotonic() + 180
-        while any(q.status["message"] == "Initializing sources" for q in new.values()):
-            check_alive(queries)
-            assert time.monotonic() < deadline, f"{layer} did not initialise"
-            time.sleep(0.2)
-    return queries
+#: Spark's fixed 10 s accept timeout for a new Python worker: on an overloaded machine a worker
+#: can start slower than that. Not a pipeline failure; a supervisor would simply restart.
+_ENV_FLAKE = "Python worker failed to connect back"
+
+
+class _Layers:
+    """The layer queries of one Spark session, started a layer at a time; a query that died of
+    ``_ENV_FLAKE`` is restarted from its checkpoint (counted), any other death fails the test."""
+
+    def __init__(self, spark, settings: Settings) -> None:
+        self.spark, self.settings, self.restarts = spark, settings, 0
+        self.queries: dict = {}
+        for layer in LAYERS:
+            self._start(layer)
+            deadline = time.monotonic() + 180
+            while any(self.queries[n].status["message"] == "Initializing sources"
+                      for n in self.queries if n.startswith(layer)):
+                self.check()
+                assert time.monotonic() < deadline, f"{layer} did not initialise"
+                time.sleep(0.2)
+
+    def _start(self, layer: str) -> None:
+        self.queries.update(start_layers(self.spark, self.settings, (layer,)))
+
+    def check(self) -> None:
+        for name, q in list(self.queries.items()):
+            if q.isActive:
+                continue
+            err = str(q.exception() or "")
+            if _ENV_FLAKE not in err or self.restarts >= 3:
+                check_alive(self.queries)
+            self.restarts += 1
+            layer = next(lay for lay in LAYERS if name.startswith(lay))
+            for other in [n for n in self.queries if n.startswith(layer)]:
+                self.queries.pop(other).stop()
+            self._start(layer)
+
+    def wait_caught_up(self, expected_bronze: int, timeout: float) -> None:
+        s, deadline = self.settings, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check()
+            if _rows(s.table_path("bronze")) >= expected_bronze \
+                    and delta_caught_up(self.queries["silver"], s.table_path("bronze")) \
+                    and all(delta_caught_up(self.queries[g], s.table_path("silver"))
+                            for g in ("gold", "gold_health")):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"pipeline did not catch up within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        Running(self.spark, self.settings, self.queries).stop()
 
 
 def _rows(path: str) -> int:
@@ -222,14 +260,14 @@ def test_fuzzed_payloads_are_all_accounted_for(settings: Settings, spark) -> Non
     big = [m for m in messages if len(m.payload) > limit]
     assert big and small
     with bridge_thread(settings):
-        running = Running(spark, settings, _start_one_by_one(spark, settings))
+        layers = _Layers(spark, settings)
         try:
             assert publish(settings, messages, max_inflight=100) == len(messages)
-            running.wait_caught_up(lambda: _rows(settings.table_path("bronze")), len(small), timeout=300)
+            layers.wait_caught_up(len(small), timeout=300)
             time.sleep(2 * settings.stream.trigger_seconds)
-            running.wait_caught_up(lambda: _rows(settings.table_path("bronze")), len(small), timeout=60)
+            layers.wait_caught_up(len(small), timeout=60)  # still there: nothing stuck or crashed
         finally:
-            running.stop()
+            layers.stop()
 
     # bronze: every payload within the limit, byte for byte, once
     bronze = DeltaTable(settings.table_path("bronze")).to_pyarrow_table(columns=["value", "partition", "offset"])
@@ -279,7 +317,8 @@ def test_fuzzed_payloads_are_all_accounted_for(settings: Settings, spark) -> Non
     print(f"\nfuzz: tried {len(messages)} payloads ({dict(kinds)}): {bronze.num_rows} in bronze, "
           f"{len(dlq)} dead-lettered; silver {silver.num_rows}, quarantine {quarantine.num_rows}, "
           f"duplicates {totals.get('duplicates', 0)}, late {totals.get('late', 0)}; "
-          f"quarantine reasons {dict(reason_counts.most_common(12))}")
+          f"quarantine reasons {dict(reason_counts.most_common(12))}; "
+          f"query restarts after '{_ENV_FLAKE}': {layers.restarts}")
 
 
 def test_fuzz_strategy_covers_edge_kinds() -> None:
