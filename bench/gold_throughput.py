@@ -200,16 +200,20 @@ def main() -> None:
         result = {
             "devices": args.devices, "readings": args.readings, "max_rows_per_trigger": args.max_rows,
             "rows_per_s": h["rows_per_s"], "rows_per_s_steady": h["rows_per_s_steady"],
+            "rows_per_cpu_s": h["rows_per_cpu_s"], "cpu_s_by_process": h["cpu_s_by_process"],
             "windows_rows_per_s": main_run.get("windows", {}).get("rows_per_s"),
+            "windows_rows_per_cpu_s": main_run.get("windows", {}).get("rows_per_cpu_s"),
             "both_rows_per_s": main_run.get("both", {}).get("rows_per_s"),
-            "state_rows": h.get("state_rows"), "state_memory_mb": h.get("state_memory_mb"),
+            # health state is keyed by device bucket: state_rows counts buckets, not devices
+            "state_rows": h.get("state_rows"), "state_buckets": gold.health.STATE_BUCKETS,
+            "state_memory_mb": h.get("state_memory_mb"),
             "state_disk_mb": h.get("rocksdbTotalSizeOnDisk_mb", h.get("rocksdbSstFileSize_mb")),
             "windows_state_rows": main_run.get("windows", {}).get("state_rows"),
             "windows_state_memory_mb": main_run.get("windows", {}).get("state_memory_mb"),
-            "scaling": {d: {k: r.get(k) for k in ("rows_per_s", "rows_per_s_steady", "state_rows",
-                                                  "state_memory_mb", "rocksdbTotalSizeOnDisk_mb",
-                                                  "rocksdbSstFileSize_mb")}
-                        for d, r in scaling.items()},
+            "scaling": {d: {k: r.get(k) for k in (
+                "rows_per_s", "rows_per_s_steady", "rows_per_cpu_s", "cpu_s_by_process", "state_rows",
+                "state_memory_mb", "rocksdbTotalSizeOnDisk_mb", "rocksdbSstFileSize_mb")}
+                for d, r in scaling.items()},
             "load_avg_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
             "cores": os.cpu_count(),
         }

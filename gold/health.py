@@ -92,6 +92,7 @@ class Device:
 
 
 def load_devices(blob: bytes) -> dict[str, Device]:
+    """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
     c = pa.ipc.open_stream(blob).read_all().to_pydict()
     return {d: Device(c["status"][i], c["status_since"][i], c["last_seen"][i], c["timeout_at"][i],
                       [c[m][i] for m in METRICS], c["anomaly_score"][i],
@@ -119,7 +120,7 @@ class Rows:
     def __init__(self) -> None:
         self.parts: list[tuple[int, dict]] = []
 
-    def add(self, n: int, **cols) -> None:
+    def add(self, n: int, **cols: object) -> None:
         if n:
             self.parts.append((n, cols))
 
@@ -209,12 +210,15 @@ def score_readings(pdf: pd.DataFrame, devs: dict[str, Device], out: Rows, cfg: D
     dstate = [devs.setdefault(d, Device()) for d in devices]
 
     k_m = len(METRICS)
+    present = ~np.isnan(vals)
     scores, base = np.zeros((k_m, n)), np.full((k_m, n), np.nan)
     flags = np.zeros((k_m, n), dtype=bool)
     n_before = np.zeros((k_m, len(starts)))
     for k, (a, b, dv) in enumerate(zip(starts.tolist(), ends.tolist(), dstate, strict=True)):
         ts = t_sec[a:b]
         for i in range(k_m):
+            if not present[i, a:b].any():  # the detector would score 0 and keep its state
+                continue
             prev = None if dv.dets[i] is None else DetectorState.from_row(
                 np.frombuffer(dv.dets[i]).tolist())
             s, bl, f, st = score_batch(vals[i, a:b], ts, prev, cfg)
@@ -222,7 +226,6 @@ def score_readings(pdf: pd.DataFrame, devs: dict[str, Device], out: Rows, cfg: D
             n_before[i, k] = prev.n if prev is not None else 0
             dv.dets[i] = np.asarray(st.to_row(), dtype=np.float64).tobytes()
 
-    present = ~np.isnan(vals)
     cum = np.cumsum(present, axis=1)
     within = cum - (cum - present)[:, starts][:, seg]  # readings so far in the device's batch
     warm = n_before[:, seg] + within > cfg.warmup  # no status from warm-up scores

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ from pyspark.sql import functions as F
 
 import silver.stream
 from lakehouse.delta_io import ensure_table, read_table
+from lakehouse.pipeline import delta_caught_up
 from lakehouse.settings import Settings, load_settings
 from lakehouse.tables import BRONZE
 from silver.expectations import arrow_quality, failed_expectations, load_suite, quality_summary
@@ -189,17 +191,24 @@ def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, la
     second = b.append(*(payload(i) for i in range(10, 15)), payload(1))  # 1: seen in batch 0
     run(spark, lake, max_rows=1)  # one batch per commit
     b.append(*(payload(i) for i in range(15, 18)), payload(2), payload(12), payload(12))
-    run(spark, lake)  # a new query on the same checkpoint: the dedup state is restored
+    live = silver.stream.start(spark, lake, trigger="live")  # same checkpoint: state restored
+    deadline = time.monotonic() + 120
+    while not delta_caught_up(live, b.path):
+        assert live.isActive and time.monotonic() < deadline
+        time.sleep(0.5)
+    live.stop()  # a graceful stop ...
+    b.append(payload(18), payload(17), payload(0), payload(18))
+    run(spark, lake)  # ... and a restart from the checkpoint
     run(spark, lake)  # nothing new: nothing written
 
     silver_rows = table(lake, "silver")
     ids = silver_rows.column("event_id").to_pylist()
-    assert sorted(ids) == [f"{i:032x}" for i in range(18)]
+    assert sorted(ids) == [f"{i:032x}" for i in range(19)]
     first_seen = dict(zip(ids, silver_rows.column("kafka_offset").to_pylist(), strict=True))
     assert first_seen[f"{5:032x}"] == first[5] and first_seen[f"{1:032x}"] == first[1]
     assert first_seen[f"{12:032x}"] == second[2]
     assert sorted(quarantined(lake).values()) == ["missing_ts,event_time_not_null"] * 2 + ["not_json"] * 2
-    assert accounted(lake, b) == {"rows_in": 28, "silver": 18, "quarantine": 4, "duplicates": 6,
+    assert accounted(lake, b) == {"rows_in": 32, "silver": 19, "quarantine": 4, "duplicates": 9,
                                   "late": 0}
     assert reread == []  # Spark's dedup metrics said: no late rows, nothing to recover
 
