@@ -20,8 +20,8 @@ The detection step maps the corpus to flags per series; ``--via`` picks its impl
   Series are shifted by whole days to start on 2026-01-01: the watermark is global, so a series
   lying years before another would be dropped as late, and whole days keep the time of day the
   detector's daily profile learns. The direct score is reported alongside: the stream feeds each
-  device's readings sorted by event time, so flags differ from ``direct`` (CSV order) only
-  where a CSV is out of time order.
+  device's readings sorted by event time, so flags can differ from ``direct`` (CSV order) only
+  where a CSV is out of time order (machine_temperature has one backward jump).
 - ``direct``: ``gold.anomaly.score_batch`` in micro-batches of ``--batch`` readings, CSV order.
 """
 

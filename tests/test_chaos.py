@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from ingest.simulator import generate
@@ -16,11 +17,12 @@ from lakehouse.services import mosquitto_service
 from lakehouse.settings import Settings
 
 
+@pytest.mark.slow
 def test_chaos_kills_and_mosquitto_outage(tmp_path: Path) -> None:
     """3 kill -9s (bridge, whole run, bridge) and one Mosquitto stop/start under steady load."""
     cfg = ChaosConfig(root=tmp_path, kills=3, rate=40, devices=10, seed=8, roles=("bridge", "streams"),
                       mosquitto_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=25,
-                      warmup_seconds=3, tail_seconds=3, drain_timeout=150, trigger_seconds=0.5)
+                      warmup_seconds=3, tail_seconds=3, drain_timeout=300, trigger_seconds=0.5)
     t0 = time.monotonic()
     r = run_chaos(cfg)
     print("\nchaos:", json.dumps({k: v for k, v in r.items() if k != "detail"}), json.dumps(r["detail"]))
@@ -32,7 +34,8 @@ def test_chaos_kills_and_mosquitto_outage(tmp_path: Path) -> None:
     assert r["accounting_ok"] and not r["detail"]["missing_files"], r["detail"]
     assert r["stuck"] == [], r
     assert r["ok"]
-    assert time.monotonic() - t0 < 300
+    # ~2.5 min on an idle 2-core machine; the bound leaves room for a slow Spark start
+    assert time.monotonic() - t0 < 480
 
 
 def _kafka_ids(settings: Settings, expect: int, timeout: float = 60.0) -> list[str]:
