@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "lakehouse.query_cli",
     "dashboard.cli",
     "ingest.cli",
+    "lakehouse.cluster",
 ]
 
 
