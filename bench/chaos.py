@@ -28,7 +28,7 @@ from lakehouse.chaos import ChaosConfig, run_chaos, summary_line  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=20)
-    ap.add_argument("--rate", type=float, default=300.0, help="messages per second")
+    ap.add_argument("--rate", type=float, default=100.0, help="messages per second")
     ap.add_argument("--devices", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=float, nargs=2, default=(4.0, 10.0), metavar=("MIN", "MAX"),
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--partitions", type=int, default=4, help="Kafka partitions")
     ap.add_argument("--ready-timeout", type=float, default=60.0,
                     help="max seconds to wait for a restarted role to work before killing again")
-    ap.add_argument("--mosquitto-outages", type=int, default=0)
+    ap.add_argument("--mosquitto-outages", type=int, default=2)
     ap.add_argument("--tansu-outages", type=int, default=0)
     ap.add_argument("--drain-timeout", type=float, default=600.0,
                     help="seconds to wait for every layer to catch up after the load")
