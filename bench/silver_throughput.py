@@ -8,7 +8,7 @@ state: the sum of numInputRows over the sum of durationMs.triggerExecution of ev
 the first (the first pays state store creation). Each run's quality-log counters are checked
 against the generated data to the row. Last line: one JSON object.
 
-    .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--max-rows 100000]
+    .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--max-rows 200000]
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--commits", type=int, default=10)
-    ap.add_argument("--max-rows", type=int, default=100_000, help="max_rows_per_trigger")
+    ap.add_argument("--max-rows", type=int, default=200_000, help="max_rows_per_trigger")
     ap.add_argument("--shuffle-partitions", type=int, default=2)
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
