@@ -218,11 +218,13 @@ def test_late_rows_are_counted_and_quarantined(spark, lake, monkeypatch):
     reread = rereads(monkeypatch)
     b = Bronze(lake)
     mins = lambda m: T + timedelta(minutes=m)  # noqa: E731
-    a, epoch = b.append(payload(1, T), payload(2, "1970-01-01T00:00:00Z"))  # batch 0: watermark 0
-    (c,) = b.append(payload(3, mins(60)))  # batch 1 (late below T-10m): watermark -> T+50m
-    on_time, late_c = b.append(payload(4, mins(30)), payload(5, mins(-20)))  # batch 2: T-10m
-    run(spark, lake, max_rows=1)
-    # the next run's first batch drops rows at or below T+50m
+    # A batch drops rows at or below the watermark the batch before it computed (max event time
+    # seen - 10 min): 0 for batches 0 and 1 (a device clock reset to the epoch is late), T-10m
+    # for batch 2, T+50m for the next run.
+    a, epoch = b.append(payload(1, T), payload(2, "1970-01-01T00:00:00Z"))
+    (c,) = b.append(payload(3, mins(60)))
+    on_time, late_c = b.append(payload(4, mins(30)), payload(5, mins(-20)))
+    run(spark, lake, max_rows=1)  # one batch per commit
     late_d = b.append(payload(6, mins(50)),  # exactly at the watermark: late
                       payload(7, mins(49), temperature=500.0),  # late wins over invalid
                       payload(1, T))  # a late re-send of event 1: late, not a duplicate
