@@ -103,6 +103,8 @@ class Subscriber:
         out = open(self.log, "ab")
         if self.kind == "bridge":
             argv = [sys.executable, "-m", "ingest.bridge"]
+            if os.environ.get("BENCH_PROFILE"):  # cProfile output per bridge run, for tuning
+                argv[1:1] = ["-m", "cProfile", "-o", f"{os.environ['BENCH_PROFILE']}.{self.s.kafka.topic}"]
             env = kafka_env(self.s)
         else:
             host, port = self.s.mqtt_endpoint

@@ -28,6 +28,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ingest.bridge_metrics import BridgeCollector, LatencyHistogram, serve
+from ingest.mqtt_client import BufferedClient
 from ingest.simulator import mqtt_client
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings, SettingsError, load_settings
@@ -88,6 +89,7 @@ class Bridge:
         self._ever_connected = False
         self._delay = 0.0
         self._fatal: KafkaError | None = None
+        self._ack_due = False
         self._closing = False
         self.latency = LatencyHistogram()
         #: Set once the broker confirmed the subscription (messages published before that
@@ -118,10 +120,11 @@ class Bridge:
 
     def _mqtt_client(self) -> mqtt.Client:
         if self._v5:
-            c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True)
+            c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True,
+                            client_class=BufferedClient)
         else:
             c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv311, manual_ack=True,
-                            clean_session=False)
+                            clean_session=False, client_class=BufferedClient)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
@@ -172,21 +175,26 @@ class Bridge:
         self._gen += 1
 
     def _on_message(self, client, userdata, msg: mqtt.MQTTMessage) -> None:
+        """paho's path (packets the fast path leaves to it, QoS 0/2)."""
+        self._handle(msg._topic, msg.mid, msg.qos, msg.retain, msg.payload)
+
+    def _on_publish_fast(self, topic_raw: bytes, mid: int, retain: int, payload: bytes) -> None:
+        """BufferedClient's path for QoS-1 PUBLISH packets."""
+        self._handle(topic_raw, mid, 1, retain, payload)
+
+    def _handle(self, topic_raw: bytes, mid: int, qos: int, retain: int, payload: bytes) -> None:
         c = self._c
         c["received"] += 1
-        try:
-            topic = msg.topic
-        except UnicodeDecodeError:  # brokers should reject these; never crash on them
-            topic = msg._topic.decode("utf-8", "replace")
-        payload = msg.payload
+        # invalid UTF-8 (brokers should reject it) must not crash the bridge
+        topic = topic_raw.decode("utf-8", "replace")
         headers = [
-            ("mqtt_topic", msg._topic),
-            ("qos", b"%d" % msg.qos),
-            ("retain", b"1" if msg.retain else b"0"),
+            ("mqtt_topic", topic_raw),
+            ("qos", b"%d" % qos),
+            ("retain", b"1" if retain else b"0"),
             ("received_at", b"%d" % (time.time_ns() // 1_000_000)),
             ("bridge_id", self._bid),
         ]
-        e = _Entry(msg.mid, msg.qos, self._gen, time.monotonic(), topic, payload, headers)
+        e = _Entry(mid, qos, self._gen, time.monotonic(), topic, payload, headers)
         self._pending.append(e)
         target = self._route(topic)
         if target is None:
@@ -227,7 +235,7 @@ class Bridge:
                 self._producer.produce(topic, value, key, headers=headers, on_delivery=cb)
                 return
             except BufferError:  # local queue full: serve callbacks, then retry
-                self._producer.poll(0.05)
+                self._poll(0.05)
             except KafkaException as ex:  # rejected before sending (e.g. too large)
                 if e.dlq:
                     self._schedule_retry(e, f"produce_error:{ex.args[0].name()}")
@@ -257,7 +265,7 @@ class Bridge:
             e.done = True
             self._c["dead_lettered" if e.dlq else "delivered"] += 1
             self.latency.observe(time.monotonic() - e.t0)
-            self._ack_ready()
+            self._ack_due = True  # acked in one write after this poll round (_poll)
             return
         self._c["failed"] += 1
         if err.fatal():
@@ -269,14 +277,28 @@ class Bridge:
         else:
             self._dead_letter(e, f"kafka_error:{err.name()}")
 
+    def _poll(self, timeout: float) -> None:
+        """Serve Kafka's delivery callbacks, then ack what they confirmed."""
+        self._producer.poll(timeout)
+        if self._ack_due:
+            self._ack_ready()
+
     def _ack_ready(self) -> None:
-        """Ack in receive order (MQTT requires it) every message Kafka has confirmed."""
+        """Ack in receive order (MQTT requires it) every message Kafka has confirmed, as one
+        write (QoS 2 messages, which the bridge does not subscribe with, one by one)."""
+        self._ack_due = False
         p, gen = self._pending, self._gen
+        mids: list[int] = []
         while p and p[0].done:
             e = p.popleft()
             if e.mid and e.gen == gen and self._connected:
-                self._client.ack(e.mid, e.qos)
+                if e.qos == 1:
+                    mids.append(e.mid)
+                else:
+                    self._client.ack(e.mid, e.qos)
                 self._c["acked"] += 1
+        if mids:
+            self._client.ack_many(mids)
 
     # ---- main loop -----------------------------------------------------------------------
     @property
@@ -294,7 +316,7 @@ class Bridge:
         last, last_t = dict(self._c), time.monotonic()
         next_connect = 0.0
         paused_read = 0.0
-        client, producer = self._client, self._producer
+        client = self._client
         host, port = self.settings.mqtt_endpoint
         try:
             while not stop.is_set():
@@ -311,18 +333,18 @@ class Bridge:
                         except OSError as ex:
                             log.warning("MQTT %s:%d unreachable (%s); retrying in %.1fs",
                                         host, port, ex, self._delay)
-                    producer.poll(0.05)
+                    self._poll(0.05)
                     continue
                 if len(self._pending) < self._max:
                     self._pump(0.001 if self._pending else 0.05)
                 else:  # backpressure: keep acking and pinging, stop reading
-                    producer.poll(0.01)
+                    self._poll(0.01)
                     client.loop_write()
                     client.loop_misc()
                     if now - paused_read > 1.0:  # PINGRESP must still be read
                         paused_read = now
                         client.loop_read()
-                producer.poll(0)
+                self._poll(0)
                 if self._retry:
                     self._run_retries(now)
                 if now >= next_log:
@@ -339,8 +361,8 @@ class Bridge:
         add a wake-up socket pair costing two syscalls per ack), then read what is buffered."""
         client, c = self._client, self._c
         sock = client.socket()
-        # TLS: decrypted bytes already buffered in the SSL object are invisible to select().
-        buffered = hasattr(sock, "pending") and sock.pending() > 0
+        # Bytes already read (by us, or decrypted by TLS) are invisible to select().
+        buffered = client.buffered() > 0 or (hasattr(sock, "pending") and sock.pending() > 0)
         try:
             readable, writable, _ = select.select(
                 [sock], [sock] if client.want_write() else [], [], 0 if buffered else timeout)
@@ -351,12 +373,13 @@ class Bridge:
         while (readable or buffered) and rc == mqtt.MQTT_ERR_SUCCESS and n < 1000 \
                 and len(self._pending) < self._max and client.socket() is not None:
             before = c["received"]
-            rc = client.loop_read()
+            rc = client.loop_read()  # one packet by paho (refills the read buffer) ...
+            # ... then every complete QoS-1 PUBLISH behind it without paho's per-packet cost
+            client.drain_publishes(self._on_publish_fast, self._max - len(self._pending))
             if c["received"] == before and n:
                 break
             n += 1
-            if n % 100 == 0:
-                self._producer.poll(0)
+            self._poll(0)
         if client.socket() is not None:
             client.loop_misc()
 
@@ -379,7 +402,7 @@ class Bridge:
         client, producer = self._client, self._producer
         deadline = time.monotonic() + timeout
         while self._pending and time.monotonic() < deadline and self._fatal is None:
-            producer.poll(0.05)
+            self._poll(0.05)
             if client.socket() is not None:
                 client.loop_write()
         left = len(self._pending)

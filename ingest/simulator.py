@@ -182,9 +182,10 @@ def generate(
 
 
 def mqtt_client(settings: Settings, client_id: str = "", protocol: int = mqtt.MQTTv311,
-                **kwargs) -> mqtt.Client:
+                client_class: type[mqtt.Client] = mqtt.Client, **kwargs) -> mqtt.Client:
     """A paho 2.x client with the settings' credentials and TLS applied (never logged)."""
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol, **kwargs)
+    c = client_class(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
+                     **kwargs)
     m = settings.mqtt
     if m.username:
         c.username_pw_set(m.username, m.password or None)
