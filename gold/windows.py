@@ -2,7 +2,20 @@
 
 Silver readings are unpivoted to (device_id, metric, event_time, value) and aggregated per
 window: count, mean, min, max, stddev, last value. Update mode + an idempotent MERGE keyed by
-(device_id, metric, window_start) keeps every window, open ones included, current in Delta.
+(device_id, metric, window_start) keeps every window, open ones included, current in Delta
+(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it).
+
+Final windows are also appended once to ``gold_metrics_1m_final`` / ``gold_metrics_5m_final``,
+from the same foreachBatch rather than a second append-mode query (which would keep a second
+state store for identical aggregates). A window is final once its end is <= the batch's
+watermark (``offsets/<batch>`` in the checkpoint, the watermark Spark evicts state with):
+Spark drops rows at or below the previous batch's watermark, so after this batch's MERGE no
+row can reach such a window again. Each batch appends, read back from the merged tables, the
+windows ending in (latest window_end already in the final table, watermark]; watermarks only
+grow, so every window lands exactly once, with the merged values. A replayed batch reuses its
+watermark and its append is skipped by the Delta app transaction (query id, batch id).
+Final rows lag the merged ones by the watermark; no-data batches, which Spark runs when the
+watermark advances (also at the end of an ``available_now`` run), append them too.
 """
 
 from __future__ import annotations
@@ -15,13 +28,15 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_io import MergeSpec, ensure_table, merge_arrow
+from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, merge_arrow, open_table
 from lakehouse.settings import Settings
-from lakehouse.streams import query_id, trigger_kwargs
-from lakehouse.tables import METRIC_WINDOWS, METRICS
+from lakehouse.streams import batch_watermark_ms, query_id, trigger_kwargs
+from lakehouse.tables import METRIC_WINDOWS, METRICS, TS
 
 TABLE = "gold_metrics_1m"
 SLIDING_TABLE = "gold_metrics_5m"
+FINAL_TABLE = "gold_metrics_1m_final"
+SLIDING_FINAL_TABLE = "gold_metrics_5m_final"
 KEYS = ["device_id", "metric", "window_start"]
 
 
@@ -64,28 +79,71 @@ def silver_stream(spark: SparkSession, settings: Settings, max_rows: int | None 
 
 
 class MergeBatch:
-    """foreachBatch: MERGE the updated windows, then the sliding windows they belong to.
+    """foreachBatch: MERGE the updated windows and their sliding windows, then append final ones.
 
     Sliding windows (e.g. 5 minutes every minute) are rolled up from the tumbling ones instead of
     being a second stateful aggregation: count, mean, min, max, stddev and last combine exactly.
     """
 
-    def __init__(self, settings: Settings, app_id: str) -> None:
+    def __init__(self, settings: Settings, app_id: str, checkpoint: str) -> None:
         self.path = settings.table_path(TABLE)
         self.slide_path = settings.table_path(SLIDING_TABLE)
-        self.app_id = app_id
+        self.finals = {self.path: settings.table_path(FINAL_TABLE),
+                       self.slide_path: settings.table_path(SLIDING_FINAL_TABLE)}
+        self.app_id, self.checkpoint = app_id, checkpoint
         g = settings.gold
         self.base, self.size, self.every = settings.stream.window_seconds, g.slide_window_seconds, g.slide_every_seconds
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         data = df.toArrow()
-        if not data.num_rows:
-            return
-        merge_arrow(self.path, data.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS),
-                    MergeSpec(KEYS), self.app_id, batch_id)
-        sliding = sliding_windows(self.path, data, self.base, self.size, self.every)
-        if sliding.num_rows:
-            merge_arrow(self.slide_path, sliding, MergeSpec(KEYS), self.app_id, batch_id)
+        if data.num_rows:
+            merge_arrow(self.path, data.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS),
+                        MergeSpec(KEYS), self.app_id, batch_id)
+            sliding = sliding_windows(self.path, data, self.base, self.size, self.every)
+            if sliding.num_rows:
+                merge_arrow(self.slide_path, sliding, MergeSpec(KEYS), self.app_id, batch_id)
+        # also on empty (no-data) batches: they exist to advance the watermark
+        self.append_final(batch_id)
+
+    def append_final(self, batch_id: int) -> None:
+        """Append the windows this batch's watermark made final (see the module docstring)."""
+        wm = batch_watermark_ms(self.checkpoint, batch_id)
+        # window ends lie on the base window's grid (sliding sizes and slides are multiples of it)
+        grid_ms = wm // (self.base * 1000) * self.base * 1000
+        for merged, final in self.finals.items():
+            done = last_window_end_ms(final)
+            if grid_ms <= 0 or (done is not None and grid_ms <= done):
+                continue
+            rows = windows_ending(merged, done, wm)
+            if rows.num_rows:
+                append_arrow(final, rows, self.app_id, batch_id)
+
+
+def last_window_end_ms(path: str) -> int | None:
+    """Latest window_end in a table, from its log's file statistics (no data file is read)."""
+    adds = pa.table(open_table(path).get_add_actions(flatten=True))
+    if not adds.num_rows:
+        return None
+    ends = adds.column("max.window_end")
+    if ends.null_count:  # a file without stats: read the column
+        ends = open_table(path).to_pyarrow_table(columns=["window_end"]).column("window_end")
+    top = pc.max(ends).cast(pa.int64()).as_py()
+    return None if top is None else top // 1000
+
+
+def windows_ending(path: str, after_ms: int | None, upto_ms: int) -> pa.Table:
+    """Windows of a merged table with ``after_ms < window_end <= upto_ms``."""
+    import pyarrow.dataset as ds
+
+    def ts(ms: int) -> pa.Scalar:
+        return pa.scalar(ms * 1000, TS)
+
+    flt = ds.field("window_end") <= ts(upto_ms)
+    if after_ms is not None:
+        flt &= ds.field("window_end") > ts(after_ms)
+    rows = open_table(path).to_pyarrow_dataset().to_table(filter=flt)
+    return rows.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS).sort_by(
+        [("window_start", "ascending"), ("device_id", "ascending"), ("metric", "ascending")])
 
 
 def _epoch_s(ts: pd.Series) -> pd.Series:
@@ -146,12 +204,13 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           max_rows: int | None = None) -> StreamingQuery:
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
     ensure_table(path, METRIC_WINDOWS)
-    ensure_table(settings.table_path(SLIDING_TABLE), METRIC_WINDOWS)
+    for name in (SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
+        ensure_table(settings.table_path(name), METRIC_WINDOWS)
     agg = window_aggregates(silver_stream(spark, settings, max_rows), settings.stream.window_seconds,
                             settings.stream.watermark_seconds)
     return (
         agg.writeStream.queryName(TABLE).outputMode("update")
-        .foreachBatch(MergeBatch(settings, query_id(ckpt)))
+        .foreachBatch(MergeBatch(settings, query_id(ckpt), ckpt))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
         .start()

@@ -34,6 +34,8 @@ ZORDER_COLUMNS: dict[str, tuple[str, str]] = {
     "silver": ("device_id", "event_time"),
     "gold_metrics_1m": ("device_id", "window_start"),
     "gold_metrics_5m": ("device_id", "window_start"),
+    "gold_metrics_1m_final": ("device_id", "window_start"),
+    "gold_metrics_5m_final": ("device_id", "window_start"),
     "readings_scored": ("device_id", "event_time"),
     "anomalies": ("device_id", "event_time"),
 }

@@ -34,7 +34,8 @@ DEFAULT_FILE = "iotlake.toml"
 
 #: Tables and queries rebuilt by time-travel reprocessing (everything downstream of bronze).
 DERIVED_TABLES = frozenset({
-    "silver", "quarantine", "quality_log", "gold_metrics_1m", "gold_metrics_5m", "device_current",
+    "silver", "quarantine", "quality_log", "gold_metrics_1m", "gold_metrics_5m",
+    "gold_metrics_1m_final", "gold_metrics_5m_final", "device_current",
     "device_status_history", "readings_scored", "anomalies"})
 DERIVED_QUERIES = frozenset({"silver", "gold_metrics_1m", "gold_health"})
 

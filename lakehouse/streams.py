@@ -74,3 +74,15 @@ def trigger_kwargs(settings: Settings, mode: str = "live") -> dict:
     if mode != "live":
         raise ValueError(f"unknown trigger mode {mode!r}: use live, available_now or once")
     return {"processingTime": f"{int(settings.stream.trigger_seconds * 1000)} milliseconds"}
+
+
+def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:
+    """Event-time watermark (epoch ms) a micro-batch evicts state with, from the offsets log.
+
+    Spark writes ``offsets/<batch>`` before running the batch, and a replay reuses it, so every
+    run of a batch (first or replayed) sees the same watermark.
+    """
+    f = Path(checkpoint, "offsets", str(batch_id))
+    if not f.exists():
+        raise RuntimeError(f"offsets log for batch {batch_id} missing in {checkpoint}")
+    return int(json.loads(f.read_text().splitlines()[1]).get("batchWatermarkMs", 0))

@@ -87,6 +87,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "quarantine": QUARANTINE,
     "gold_metrics_1m": METRIC_WINDOWS,
     "gold_metrics_5m": METRIC_WINDOWS,
+    "gold_metrics_1m_final": METRIC_WINDOWS,  # append-only: closed windows, each once
+    "gold_metrics_5m_final": METRIC_WINDOWS,
     "device_current": DEVICE_CURRENT,
     "device_status_history": DEVICE_STATUS_HISTORY,
     "readings_scored": READINGS_SCORED,

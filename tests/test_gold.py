@@ -100,3 +100,146 @@ def test_degraded_on_low_battery_and_anomaly_flags_survive_restart(spark, gold_s
     assert current(s, "dev-00003")["status"] == "degraded"
     h = DeltaTable(s.table_path("device_status_history")).to_pandas()
     assert any("battery_low" in r for r in h.reason)
+
+
+# ---- window aggregates: watermark, late data, final windows ------------------------------------
+# Silver quarantines readings at or below its own watermark (reason `late`), so these tests
+# write silver directly to exercise gold's watermark on its own. With max_rows_per_trigger=1
+# every silver commit is one gold micro-batch; Spark drops a row as late when its event time is
+# <= the previous batch's watermark (max event time so far - 30 s).
+
+WKEYS = ["device_id", "metric", "window_start"]
+
+
+def temp(sec: int, value: float) -> dict:
+    """A temperature-only reading (one gold row per window) ``sec`` seconds after T0."""
+    return reading("dev-00001", T0 + timedelta(seconds=sec), temp=value) | {"humidity": None, "battery": None}
+
+
+def run_windows(spark, settings: Settings):
+    import gold.windows
+
+    q = gold.windows.start(spark, settings, trigger="available_now")
+    q.awaitTermination()
+    assert q.exception() is None
+    return q
+
+
+def windows(settings: Settings, table: str) -> dict[int, dict]:
+    """Window start (seconds after T0) -> row; fails if any window appears twice."""
+    df = DeltaTable(settings.table_path(table)).to_pandas()
+    assert not df.duplicated(WKEYS).any(), f"{table} has a window twice"
+    df = df.astype(object).where(df.notna(), None)  # null stddev compares equal
+    return {int((r["window_start"] - T0).total_seconds()): r for r in df.to_dict("records")}
+
+
+def stats(values: list[float], last: float) -> dict:
+    import statistics
+
+    sd = pytest.approx(statistics.stdev(values)) if len(values) > 1 else None
+    return dict(count=len(values), mean=pytest.approx(statistics.fmean(values)), min=min(values),
+                max=max(values), stddev=sd, last=last)
+
+
+def pick(row: dict) -> dict:
+    return {k: row[k] for k in ("count", "mean", "min", "max", "stddev", "last")}
+
+
+def test_late_data_inside_watermark_updates_tumbling_and_sliding_windows(spark, gold_settings) -> None:
+    s = gold_settings
+    append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
+    append_silver(s, [temp(70, 30.0)])  # watermark -> 70 - 30 = 40 s
+    run_windows(spark, s)
+    assert pick(windows(s, "gold_metrics_1m")[0]) == stats([20.0, 22.0], last=22.0)
+
+    append_silver(s, [temp(45, 25.0)])  # 45 s > 40 s: inside the watermark
+    run_windows(spark, s)
+    one = windows(s, "gold_metrics_1m")
+    assert sorted(one) == [0, 60]
+    assert pick(one[0]) == stats([20.0, 22.0, 25.0], last=22.0)  # last = latest event time, not arrival
+    assert pick(one[60]) == stats([30.0], last=30.0)
+    five = windows(s, "gold_metrics_5m")  # 5-minute windows every minute containing minute 0 or 1
+    assert sorted(five) == [-240, -180, -120, -60, 0, 60]
+    assert pick(five[-240]) == stats([20.0, 22.0, 25.0], last=22.0)
+    for start in (-180, -120, -60, 0):
+        assert pick(five[start]) == stats([20.0, 22.0, 25.0, 30.0], last=30.0)
+    assert five[60]["count"] == 1
+
+
+def test_late_data_beyond_watermark_is_not_double_counted(spark, gold_settings) -> None:
+    s = gold_settings
+    append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
+    append_silver(s, [temp(130, 1.0)])  # watermark -> 100 s from the next batch on
+    append_silver(s, [temp(135, 2.0)])
+    append_silver(s, [temp(55, 99.0)])  # 55 s <= 100 s: beyond the watermark
+    q = run_windows(spark, s)
+    assert q.lastProgress["stateOperators"][0]["numRowsDroppedByWatermark"] == 1
+    one = windows(s, "gold_metrics_1m")
+    assert pick(one[0]) == stats([20.0, 22.0], last=22.0)
+    assert pick(windows(s, "gold_metrics_5m")[-240]) == stats([20.0, 22.0], last=22.0)
+    final = windows(s, "gold_metrics_1m_final")  # [0, 60) closed once the watermark passed 60 s
+    assert sorted(final) == [0] and pick(final[0]) == pick(one[0])
+
+
+def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold_settings,
+                                                                     monkeypatch) -> None:
+    import json
+    from pathlib import Path
+
+    from pyspark.errors import StreamingQueryException
+
+    import gold.windows
+
+    s = gold_settings
+    ckpt = Path(s.checkpoint_path("gold_metrics_1m"))
+    append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
+    append_silver(s, [temp(70, 30.0)])
+    run_windows(spark, s)  # watermark 40 s: nothing final yet
+    assert windows(s, "gold_metrics_1m_final") == {} and windows(s, "gold_metrics_5m_final") == {}
+
+    # batch 4 runs with watermark 100 s, closing [0, 60): crash after its MERGE, before the append
+    append_silver(s, [temp(130, 1.0)])
+    append_silver(s, [temp(135, 2.0)])
+    real_append = gold.windows.append_arrow
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("crash before the final append")
+
+    monkeypatch.setattr(gold.windows, "append_arrow", crash)
+    q = gold.windows.start(spark, s, trigger="available_now")
+    with pytest.raises(StreamingQueryException):
+        q.awaitTermination()
+    assert windows(s, "gold_metrics_1m")[120]["count"] == 2  # batch 4 merged
+    assert windows(s, "gold_metrics_1m_final") == {}
+    monkeypatch.setattr(gold.windows, "append_arrow", real_append)
+
+    def check_first_final() -> None:
+        final1, final5 = windows(s, "gold_metrics_1m_final"), windows(s, "gold_metrics_5m_final")
+        assert sorted(final1) == [0] and pick(final1[0]) == stats([20.0, 22.0], last=22.0)
+        assert sorted(final5) == [-240] and pick(final5[-240]) == pick(final1[0])  # [-4 min, +1 min)
+
+    q = run_windows(spark, s)  # restart: Spark replays batch 4, then a no-data batch (105 s)
+    assert [p["batchId"] for p in q.recentProgress] == [4, 5]
+    check_first_final()
+    for f in (ckpt / "commits" / "5", ckpt / "commits" / ".5.crc"):  # replay the last batch
+        f.unlink(missing_ok=True)
+    q = run_windows(spark, s)
+    assert [p["batchId"] for p in q.recentProgress] == [5]
+    qid = json.loads((ckpt / "metadata").read_text().splitlines()[0])["id"]
+    gold.windows.MergeBatch(s, qid, str(ckpt)).append_final(4)  # batch 4's append, replayed
+    check_first_final()
+
+    # late beyond the watermark (dropped), then event time moves to 400 s: minutes 1 and 2 close
+    append_silver(s, [temp(55, 99.0)])
+    append_silver(s, [temp(400, 5.0)])
+    run_windows(spark, s)
+    one, five = windows(s, "gold_metrics_1m"), windows(s, "gold_metrics_5m")
+    final1, final5 = windows(s, "gold_metrics_1m_final"), windows(s, "gold_metrics_5m_final")
+    assert sorted(final1) == [0, 60, 120]  # watermark 370 s
+    assert sorted(final5) == [-240, -180, -120, -60, 0, 60]  # ends <= 370 s
+    for final, merged in ((final1, one), (final5, five)):
+        for start, row in final.items():
+            assert row == merged[start]
+    assert pick(final1[0]) == stats([20.0, 22.0], last=22.0)
+    assert pick(final1[120]) == stats([1.0, 2.0], last=2.0)
+    assert pick(final5[60]) == stats([30.0, 1.0, 2.0], last=2.0)
