@@ -49,14 +49,22 @@ a rising *rate* of spikes of normal size (art_increase_spike_density) and the sl
 looking ambient-temperature anomalies. Heavy-tailed noise is flagged at its extreme draws only
 (pure Gaussian noise: no flag in 10 x 20k readings; t(8): ~1 per 10k).
 State: 18 scalars + 4 x ``season_bins`` floats (210 doubles with the defaults).
+
+The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,
+then ~0.25 s to load per process); :func:`score_lanes` runs it over many keys in one call, as
+the health stream does per bucket, since a Python loop over keys cost more than the scoring.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
+import numba
 import numpy as np
 
 STATE_VERSION = 1.0
@@ -210,16 +218,55 @@ def initial_state(config: DetectorConfig | None = None) -> DetectorState:
                          bin_scale_fast=[0.0] * k, bin_scale_slow=[0.0] * k)
 
 
-def _season_position(times: np.ndarray, config: DetectorConfig
-                     ) -> tuple[list[int], list[int], list[float]]:
-    """Neighbouring time-of-day bins and interpolation weight of each reading."""
-    k = config.season_bins
-    u = np.mod(times, config.season_period) / config.season_period * k - 0.5
-    fl = np.floor(u)
-    w = u - fl
-    b0 = np.mod(fl.astype(np.int64), k)
-    b1 = np.mod(b0 + 1, k)
-    return b0.tolist(), b1.tolist(), w.tolist()
+def initial_rows(lanes: int, config: DetectorConfig | None = None) -> np.ndarray:
+    """``lanes`` copies of ``initial_state(config).to_row()`` as a ``[lanes, state_len]`` matrix."""
+    return np.tile(np.asarray(initial_state(config).to_row()), (lanes, 1))
+
+
+@lru_cache(maxsize=32)
+def _params(cfg: DetectorConfig) -> tuple[float, ...]:
+    """The configuration as the kernel's flat tuple of floats (derived constants included)."""
+    q_dn = 1.0 - cfg.tail_rate
+    q_up = 1.0 + cfg.tail_rate * (1.0 + cfg.tail_quantile) / (1.0 - cfg.tail_quantile)
+    return tuple(float(v) for v in (
+        cfg.threshold, cfg.cooldown, cfg.warmup, cfg.k_fast, cfg.k_slow, cfg.tail_factor,
+        cfg.slow_floor, cfg.level_alpha, cfg.mid_alpha, cfg.scale_alpha, cfg.baseline_alpha,
+        cfg.slow_scale_alpha, cfg.season_period, cfg.season_alpha, cfg.season_scale_alpha,
+        cfg.season_early_visits, cfg.huber_c, q_dn, q_up, cfg.shift_readings, cfg.accept_after,
+        cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor))
+
+
+def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
+                config: DetectorConfig | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Score many independent (device, metric) lanes in one compiled call.
+
+    ``values``/``times`` hold every lane's readings back to back, each lane in event-time order;
+    lane ``j`` is ``[offsets[j], offsets[j + 1])`` (``len(offsets) == lanes + 1``) and starts
+    from ``states[j]`` (a ``DetectorState.to_row()``; see :func:`initial_rows`). Per lane this
+    is exactly :func:`score_batch`: one call per micro-batch instead of one per key is what
+    makes per-key scoring cheap. Returns ``(scores, baselines, flags, n_before, new_states)``:
+    ``n_before`` is the count of readings the lane had learnt before each reading; ``states``
+    is not modified.
+    """
+    cfg = config or DetectorConfig()
+    x = np.ascontiguousarray(values, dtype=np.float64).ravel()
+    t = np.ascontiguousarray(times, dtype=np.float64).ravel()
+    offs = np.ascontiguousarray(offsets, dtype=np.int64).ravel()
+    st = np.array(states, dtype=np.float64, order="C", ndmin=2)  # a copy: updated in place
+    if x.shape != t.shape:
+        raise ValueError(f"{x.size} values but {t.size} times")
+    if (offs.size != st.shape[0] + 1 or offs[0] != 0 or offs[-1] != x.size
+            or np.any(np.diff(offs) < 0)):
+        raise ValueError("offsets must rise from 0 to len(values), one more than the states")
+    k = (st.shape[1] - len(_SCALARS)) // len(_ARRAYS)
+    if st.shape[1] != len(_SCALARS) + len(_ARRAYS) * k or k != cfg.season_bins:
+        raise ValueError(f"state rows of {st.shape[1]} values do not match the layout "
+                         f"({cfg.season_bins} season bins)")
+    if np.any(st[:, 0] != STATE_VERSION):
+        raise ValueError(f"state version is not {STATE_VERSION}")
+    scores, baselines, flags, n_before = _kernel(x, t, offs, st, k, _params(cfg))
+    return scores, baselines, flags, n_before, st
 
 
 def score_batch(values: np.ndarray, times: np.ndarray, state: DetectorState | None,
@@ -230,295 +277,262 @@ def score_batch(values: np.ndarray, times: np.ndarray, state: DetectorState | No
     Returns ``(scores in [0, 1], baselines, flags, new_state)``; ``baselines`` is the value the
     reading was compared against (fast level, or slow baseline + time-of-day profile, whichever
     found it more surprising). NaN readings get score 0, no flag, a NaN baseline and leave the
-    state untouched. The input state is not modified.
+    state untouched. The input state is not modified. One lane of :func:`score_lanes`.
     """
     cfg = config or DetectorConfig()
-    x_all = np.asarray(values, dtype=np.float64).ravel()
-    t_all = np.asarray(times, dtype=np.float64).ravel()
-    if x_all.shape != t_all.shape:
-        raise ValueError(f"{x_all.size} values but {t_all.size} times")
-    st = initial_state(cfg) if state is None else state.copy()
+    st = initial_state(cfg) if state is None else state
     if len(st.season) != cfg.season_bins:
         raise ValueError(f"state has {len(st.season)} season bins, config {cfg.season_bins}")
-    n_all = x_all.size
-    scores = np.zeros(n_all)
-    baselines = np.full(n_all, np.nan)
-    flags = np.zeros(n_all, dtype=bool)
-    valid = ~(np.isnan(x_all) | np.isnan(t_all))
-    idx = np.flatnonzero(valid)
-    if idx.size == 0:
-        return scores, baselines, flags, st
-    x = x_all[idx]
-    t = t_all[idx]
-    z, base, n_before = _run(x, t, st, cfg)
-    sc = z * z / (1.0 + z * z)
-    hot = sc >= cfg.threshold
-    fl = _episode_flags(hot, n_before, st, cfg)
-    scores[idx] = sc
-    baselines[idx] = base
-    flags[idx] = fl
-    st.last_time = float(t[-1])
-    return scores, baselines, flags, st
+    x = np.asarray(values, dtype=np.float64).ravel()
+    scores, baselines, flags, _, rows = score_lanes(x, times, [0, x.size], [st.to_row()], cfg)
+    return scores, baselines, flags, DetectorState.from_row(rows[0].tolist())
 
 
-def _episode_flags(hot: np.ndarray, n_before: np.ndarray, st: DetectorState,
-                   cfg: DetectorConfig) -> np.ndarray:
-    """Flag a hot reading when ``cooldown`` non-hot readings precede it (vectorised).
+def _njit_cached(fn):
+    """``njit(cache=True)`` when the on-disk cache is writable, else a per-process compile.
 
-    ``st.since`` carries the count of non-hot readings since the last hot one across batches.
+    Numba caches next to the source, in ``NUMBA_CACHE_DIR`` or in the user cache dir (also for
+    the package zip shipped to a cluster's executors); without a writable one it would fail on
+    the first call (zip) or at import (no locator), and scoring must work regardless.
     """
-    m = hot.size
-    hot_idx = np.flatnonzero(hot)
-    flags = np.zeros(m, dtype=bool)
-    if hot_idx.size:
-        prev = np.empty(hot_idx.size)
-        prev[0] = st.since + hot_idx[0]
-        prev[1:] = np.diff(hot_idx) - 1
-        ok = (prev >= cfg.cooldown) & (n_before[hot_idx] >= cfg.warmup)
-        flags[hot_idx[ok]] = True
-        st.since = float(m - 1 - hot_idx[-1])
-    else:
-        st.since = st.since + m
-    return flags
+    try:
+        disp = numba.njit(cache=True)(fn)
+        path = disp.stats.cache_path
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return disp
+    except (RuntimeError, OSError):
+        return numba.njit(fn)
 
 
-def _run(x: np.ndarray, t: np.ndarray, st: DetectorState, cfg: DetectorConfig
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The per-reading recursion: returns the surprise z, the baseline and n before each."""
-    b0s, b1s, ws = _season_position(t, cfg)
-    xs = x.tolist()
-    m = len(xs)
-    zs_out = [0.0] * m
-    base_out = [0.0] * m
-    n_out = [0.0] * m
-
-    # configuration as locals
-    c = cfg.huber_c
-    kf, ks = cfg.k_fast, cfg.k_slow
-    fq = cfg.tail_factor
-    kappa = cfg.slow_floor
-    a_m = cfg.mid_alpha
-    a_l, a_f, a_b, a_s = cfg.level_alpha, cfg.scale_alpha, cfg.baseline_alpha, cfg.slow_scale_alpha
-    g_s, g_sb = cfg.season_alpha, cfg.season_scale_alpha
-    early_v = cfg.season_early_visits
-    q_dn = 1.0 - cfg.tail_rate
-    q_up = 1.0 + cfg.tail_rate * (1.0 + cfg.tail_quantile) / (1.0 - cfg.tail_quantile)
-    warm = cfg.warmup
-    shift_m = cfg.shift_readings
-    accept = cfg.accept_after
-    flat_min, flat_f, flat_dec = float(cfg.flat_min_run), cfg.flat_factor, cfg.flat_decay
-    floor_rel = cfg.scale_floor
-
-    # state as locals
-    n = st.n
-    xl, lev, mid = st.x_last, st.level, st.mid_level
-    f_up, f_dn, t_up, t_dn = st.fast_up, st.fast_dn, st.tail_up, st.tail_dn
-    bas, s_up, s_dn = st.baseline, st.slow_up, st.slow_dn
-    run, run_max, streak, sstreak = st.run, st.run_max, st.streak, st.slow_streak
-    S, C = list(st.season), list(st.season_visits)
-    SBf, SBs = list(st.bin_scale_fast), list(st.bin_scale_slow)
-
-    for i in range(m):
-        xv = xs[i]
-        b0 = b0s[i]
-        b1 = b1s[i]
-        w1 = ws[i]
-        w0 = 1.0 - w1
-        seas = w0 * S[b0] + w1 * S[b1]
-        n_out[i] = n
-        if n == 0.0:
-            lev = xv
-            mid = xv
-            bas = xv - seas
-            xl = xv
-            n = 1.0
-            base_out[i] = xv
-            continue
-        sbf = w0 * SBf[b0] + w1 * SBf[b1]
-        sbs = w0 * SBs[b0] + w1 * SBs[b1]
-        fl_ = floor_rel * (1.0 + abs(xv))
-        learning = n >= warm
-        inv = 1.0 / (n + 1.0)
-
-        # -- fast model: reading vs robust level
-        rf = xv - lev
-        arf = abs(rf)
-        sf = sbf if sbf > fl_ else fl_
-        d_up = kf * (f_up if f_up > sf else sf)
-        d_dn = kf * (f_dn if f_dn > sf else sf)
-        e_up = fq * t_up
-        e_dn = fq * t_dn
-        if e_up > d_up:
-            d_up = e_up
-        if e_dn > d_dn:
-            d_dn = e_dn
-        zf = arf / (d_up if rf >= 0.0 else d_dn)
-        slow_floor = kappa * (d_up if d_up > d_dn else d_dn)
-
-        # level update (Huber), level-shift re-baselining
-        mf = 0.5 * (f_up + f_dn)
-        if mf < fl_:
-            mf = fl_
-        if n <= 10.0:
-            limf = arf
-        else:
-            limf = c * (mf if mf > sbf else sbf)
-        rfc = rf if arf <= limf else (limf if rf > 0.0 else -limf)
-        base_f = lev
-        if zf >= 1.0:
-            if rf > 0.0:
-                streak = streak + 1.0 if streak > 0.0 else 1.0
+@_njit_cached
+def _kernel(xs, ts, offs, states, k, p):
+    """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
+    (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
+     c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel) = p
+    total = xs.size
+    scores = np.zeros(total)
+    base_out = np.full(total, np.nan)
+    flags = np.zeros(total, dtype=np.bool_)
+    n_out = np.zeros(total)
+    o_s = 18  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 18 scalars
+    o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
+    for lane in range(offs.size - 1):
+        row = states[lane]
+        n = row[1]
+        xl, lev, mid = row[2], row[3], row[4]
+        f_up, f_dn, t_up, t_dn = row[5], row[6], row[7], row[8]
+        bas, s_up, s_dn = row[9], row[10], row[11]
+        run, run_max = row[12], row[13]
+        since0 = row[14]
+        streak, sstreak = row[15], row[16]
+        m = 0  # valid readings so far in this lane (the episode counter's index)
+        last_hot = -1
+        t_last = row[17]
+        for i in range(offs[lane], offs[lane + 1]):
+            xv = xs[i]
+            tv = ts[i]
+            if np.isnan(xv) or np.isnan(tv):
+                n_out[i] = n
+                continue
+            u = (tv % period) / period * k - 0.5
+            fl = np.floor(u)
+            w1 = u - fl
+            b0 = np.int64(fl) % k
+            b1 = (b0 + 1) % k
+            w0 = 1.0 - w1
+            seas = w0 * row[o_s + b0] + w1 * row[o_s + b1]
+            n_out[i] = n
+            t_last = tv
+            if n == 0.0:
+                lev = xv
+                mid = xv
+                bas = xv - seas
+                xl = xv
+                n = 1.0
+                base_out[i] = xv
+                z = 0.0
             else:
-                streak = streak - 1.0 if streak < 0.0 else -1.0
-        else:
-            streak = 0.0
-        if shift_m and abs(streak) >= shift_m:
-            bas += xv - lev
-            lev = xv
-            mid = xv
-            streak = 0.0
-        else:
-            lev += (a_l if a_l > inv else inv) * rfc
-            rm = xv - mid
-            rm = rm if abs(rm) <= limf else (limf if rm > 0.0 else -limf)
-            mid += (a_m if a_m > inv else inv) * rm
+                sbf = w0 * row[o_f + b0] + w1 * row[o_f + b1]
+                sbs = w0 * row[o_b + b0] + w1 * row[o_b + b1]
+                fl_ = floor_rel * (1.0 + abs(xv))
+                learning = n >= warm
+                inv = 1.0 / (n + 1.0)
 
-        # -- slow model: smoother level vs baseline + time-of-day profile
-        base_s = bas + seas
-        rs = mid - base_s
-        ars = abs(rs)
-        ss = sbs if sbs > fl_ else fl_
-        if rs >= 0.0:
-            d_s = ks * (s_up if s_up > ss else ss)
-        else:
-            d_s = ks * (s_dn if s_dn > ss else ss)
-        if slow_floor > d_s:
-            d_s = slow_floor
-        zsl = ars / d_s
+                # -- fast model: reading vs robust level
+                rf = xv - lev
+                arf = abs(rf)
+                sf = sbf if sbf > fl_ else fl_
+                d_up = kf * (f_up if f_up > sf else sf)
+                d_dn = kf * (f_dn if f_dn > sf else sf)
+                e_up = fq * t_up
+                e_dn = fq * t_dn
+                if e_up > d_up:
+                    d_up = e_up
+                if e_dn > d_dn:
+                    d_dn = e_dn
+                zf = arf / (d_up if rf >= 0.0 else d_dn)
+                slow_floor = kappa * (d_up if d_up > d_dn else d_dn)
 
-        # -- flat line
-        if xv == xl:
-            run += 1.0
-        else:
-            if run > 0.0:
-                decayed = run_max * flat_dec ** run
-                run_max = run if run > decayed else decayed
-            run = 0.0
-        if run > 0.0 and mf > fl_:
-            lim_run = flat_f * run_max * flat_dec ** run
-            zfl = run / (lim_run if lim_run > flat_min else flat_min)
-        else:
-            zfl = 0.0
+                # level update (Huber), level-shift re-baselining
+                mf = 0.5 * (f_up + f_dn)
+                if mf < fl_:
+                    mf = fl_
+                if n <= 10.0:
+                    limf = arf
+                else:
+                    limf = c * (mf if mf > sbf else sbf)
+                rfc = rf if arf <= limf else (limf if rf > 0.0 else -limf)
+                base_f = lev
+                if zf >= 1.0:
+                    if rf > 0.0:
+                        streak = streak + 1.0 if streak > 0.0 else 1.0
+                    else:
+                        streak = streak - 1.0 if streak < 0.0 else -1.0
+                else:
+                    streak = 0.0
+                if shift_m != 0.0 and abs(streak) >= shift_m:
+                    bas += xv - lev
+                    lev = xv
+                    mid = xv
+                    streak = 0.0
+                else:
+                    lev += (a_l if a_l > inv else inv) * rfc
+                    rm = xv - mid
+                    rm = rm if abs(rm) <= limf else (limf if rm > 0.0 else -limf)
+                    mid += (a_m if a_m > inv else inv) * rm
 
-        z = zf
-        base_out[i] = base_f
-        if zsl > z:
-            z = zsl
-            base_out[i] = base_s
-        if zfl > z:
-            z = zfl
-        zs_out[i] = z
+                # -- slow model: smoother level vs baseline + time-of-day profile
+                base_s = bas + seas
+                rs = mid - base_s
+                ars = abs(rs)
+                ss = sbs if sbs > fl_ else fl_
+                if rs >= 0.0:
+                    d_s = ks * (s_up if s_up > ss else ss)
+                else:
+                    d_s = ks * (s_dn if s_dn > ss else ss)
+                if slow_floor > d_s:
+                    d_s = slow_floor
+                zsl = ars / d_s
 
-        # -- learning: fast scales (frozen while fast says anomalous), tail quantiles
-        if not (learning and zf >= 1.0):
-            a = a_f if a_f > inv else inv
-            if rf >= 0.0:
-                lim = c * f_up if n > 10.0 else arf
-                f_up += a * (2.0 * (arf if arf < lim else lim) - f_up)
-                f_dn -= a * f_dn
-            else:
-                lim = c * f_dn if n > 10.0 else arf
-                f_dn += a * (2.0 * (arf if arf < lim else lim) - f_dn)
-                f_up -= a * f_up
-        if rf > t_up:
-            t_up = (rf if rf < t_up * q_up else t_up * q_up) if t_up > 0.0 else rf
-        else:
-            t_up *= q_dn
-        if -rf > t_dn:
-            t_dn = (-rf if -rf < t_dn * q_up else t_dn * q_up) if t_dn > 0.0 else -rf
-        else:
-            t_dn *= q_dn
+                # -- flat line
+                if xv == xl:
+                    run += 1.0
+                else:
+                    if run > 0.0:
+                        decayed = run_max * flat_dec ** run
+                        run_max = run if run > decayed else decayed
+                    run = 0.0
+                if run > 0.0 and mf > fl_:
+                    lim_run = flat_f * run_max * flat_dec ** run
+                    zfl = run / (lim_run if lim_run > flat_min else flat_min)
+                else:
+                    zfl = 0.0
 
-        # slow baseline and scales
-        ms = 0.5 * (s_up + s_dn)
-        if ms < fl_:
-            ms = fl_
-        lims = ars if n <= 10.0 else c * (ms if ms > sbs else sbs)
-        rsc = rs if ars <= lims else (lims if rs > 0.0 else -lims)
-        if zsl >= 1.0:
-            if rs > 0.0:
-                sstreak = sstreak + 1.0 if sstreak > 0.0 else 1.0
-            else:
-                sstreak = sstreak - 1.0 if sstreak < 0.0 else -1.0
-        elif sstreak > 0.0:  # a reading back inside only erodes the count: flicker near
-            sstreak -= 1.0  # the boundary does not restart it
-        elif sstreak < 0.0:
-            sstreak += 1.0
-        if accept and abs(sstreak) >= accept:
-            bas = mid - seas  # a lasting deviation becomes the new normal
-            sstreak = 0.0
-        else:
-            bas += (a_b if a_b > inv else inv) * rsc
-        if not (learning and zsl >= 1.0):
-            a = a_s if a_s > inv else inv
-            if rs >= 0.0:
-                lim = c * s_up if n > 10.0 else ars
-                s_up += a * (2.0 * (ars if ars < lim else lim) - s_up)
-                s_dn -= a * s_dn
-            else:
-                lim = c * s_dn if n > 10.0 else ars
-                s_dn += a * (2.0 * (ars if ars < lim else lim) - s_dn)
-                s_up -= a * s_up
+                z = zf
+                base_out[i] = base_f
+                if zsl > z:
+                    z = zsl
+                    base_out[i] = base_s
+                if zfl > z:
+                    z = zfl
 
-        # time-of-day bins (both neighbours, by interpolation weight)
-        if w0 > 0.0:
-            cb = C[b0] + w0
-            C[b0] = cb
-            r0 = w0 / cb
-            early = cb <= early_v
-            S[b0] += (g_s if g_s > r0 else r0) * w0 * (rs if early else rsc)
-            gs = (g_sb if g_sb > r0 else r0) * w0
-            v = SBf[b0]
-            if not early:
-                lim = c * (mf if mf > v else v)
-                SBf[b0] = v + gs * ((arf if arf < lim else lim) - v)
-            else:
-                SBf[b0] = v + gs * (arf - v)
-            v = SBs[b0]
-            if not early:
-                lim = c * (ms if ms > v else v)
-                SBs[b0] = v + gs * ((ars if ars < lim else lim) - v)
-            else:
-                SBs[b0] = v + gs * (ars - v)
-        if w1 > 0.0:
-            cb = C[b1] + w1
-            C[b1] = cb
-            r1 = w1 / cb
-            early = cb <= early_v
-            S[b1] += (g_s if g_s > r1 else r1) * w1 * (rs if early else rsc)
-            gs = (g_sb if g_sb > r1 else r1) * w1
-            v = SBf[b1]
-            if not early:
-                lim = c * (mf if mf > v else v)
-                SBf[b1] = v + gs * ((arf if arf < lim else lim) - v)
-            else:
-                SBf[b1] = v + gs * (arf - v)
-            v = SBs[b1]
-            if not early:
-                lim = c * (ms if ms > v else v)
-                SBs[b1] = v + gs * ((ars if ars < lim else lim) - v)
-            else:
-                SBs[b1] = v + gs * (ars - v)
+                # -- learning: fast scales (frozen while fast says anomalous), tail quantiles
+                if not (learning and zf >= 1.0):
+                    a = a_f if a_f > inv else inv
+                    if rf >= 0.0:
+                        lim = c * f_up if n > 10.0 else arf
+                        f_up += a * (2.0 * (arf if arf < lim else lim) - f_up)
+                        f_dn -= a * f_dn
+                    else:
+                        lim = c * f_dn if n > 10.0 else arf
+                        f_dn += a * (2.0 * (arf if arf < lim else lim) - f_dn)
+                        f_up -= a * f_up
+                if rf > t_up:
+                    t_up = (rf if rf < t_up * q_up else t_up * q_up) if t_up > 0.0 else rf
+                else:
+                    t_up *= q_dn
+                if -rf > t_dn:
+                    t_dn = (-rf if -rf < t_dn * q_up else t_dn * q_up) if t_dn > 0.0 else -rf
+                else:
+                    t_dn *= q_dn
 
-        xl = xv
-        n += 1.0
+                # slow baseline and scales
+                ms = 0.5 * (s_up + s_dn)
+                if ms < fl_:
+                    ms = fl_
+                lims = ars if n <= 10.0 else c * (ms if ms > sbs else sbs)
+                rsc = rs if ars <= lims else (lims if rs > 0.0 else -lims)
+                if zsl >= 1.0:
+                    if rs > 0.0:
+                        sstreak = sstreak + 1.0 if sstreak > 0.0 else 1.0
+                    else:
+                        sstreak = sstreak - 1.0 if sstreak < 0.0 else -1.0
+                elif sstreak > 0.0:  # a reading back inside only erodes the count: flicker
+                    sstreak -= 1.0  # near the boundary does not restart it
+                elif sstreak < 0.0:
+                    sstreak += 1.0
+                if accept != 0.0 and abs(sstreak) >= accept:
+                    bas = mid - seas  # a lasting deviation becomes the new normal
+                    sstreak = 0.0
+                else:
+                    bas += (a_b if a_b > inv else inv) * rsc
+                if not (learning and zsl >= 1.0):
+                    a = a_s if a_s > inv else inv
+                    if rs >= 0.0:
+                        lim = c * s_up if n > 10.0 else ars
+                        s_up += a * (2.0 * (ars if ars < lim else lim) - s_up)
+                        s_dn -= a * s_dn
+                    else:
+                        lim = c * s_dn if n > 10.0 else ars
+                        s_dn += a * (2.0 * (ars if ars < lim else lim) - s_dn)
+                        s_up -= a * s_up
 
-    st.n, st.x_last, st.level, st.mid_level = n, xl, lev, mid
-    st.fast_up, st.fast_dn, st.tail_up, st.tail_dn = f_up, f_dn, t_up, t_dn
-    st.baseline, st.slow_up, st.slow_dn = bas, s_up, s_dn
-    st.run, st.run_max, st.streak, st.slow_streak = run, run_max, streak, sstreak
-    st.season, st.season_visits, st.bin_scale_fast, st.bin_scale_slow = S, C, SBf, SBs
-    return np.asarray(zs_out), np.asarray(base_out), np.asarray(n_out)
+                # time-of-day bins (both neighbours, by interpolation weight)
+                for b, wb in ((b0, w0), (b1, w1)):
+                    if wb > 0.0:
+                        cb = row[o_c + b] + wb
+                        row[o_c + b] = cb
+                        r = wb / cb
+                        early = cb <= early_v
+                        row[o_s + b] += (g_s if g_s > r else r) * wb * (rs if early else rsc)
+                        gs = (g_sb if g_sb > r else r) * wb
+                        v = row[o_f + b]
+                        if not early:
+                            lim = c * (mf if mf > v else v)
+                            row[o_f + b] = v + gs * ((arf if arf < lim else lim) - v)
+                        else:
+                            row[o_f + b] = v + gs * (arf - v)
+                        v = row[o_b + b]
+                        if not early:
+                            lim = c * (ms if ms > v else v)
+                            row[o_b + b] = v + gs * ((ars if ars < lim else lim) - v)
+                        else:
+                            row[o_b + b] = v + gs * (ars - v)
+
+                xl = xv
+                n += 1.0
+
+            # score and episode flag: a hot reading after ``cooldown`` non-hot ones
+            zz = z * z
+            sc = zz / (1.0 + zz)
+            scores[i] = sc
+            if sc >= thr:
+                prev = since0 + m if last_hot < 0 else float(m - last_hot - 1)
+                flags[i] = prev >= cooldown and n_out[i] >= warm
+                last_hot = m
+            m += 1
+
+        if m:
+            row[1] = n
+            row[2], row[3], row[4] = xl, lev, mid
+            row[5], row[6], row[7], row[8] = f_up, f_dn, t_up, t_dn
+            row[9], row[10], row[11] = bas, s_up, s_dn
+            row[12], row[13] = run, run_max
+            row[14] = float(m - 1 - last_hot) if last_hot >= 0 else since0 + m
+            row[15], row[16] = streak, sstreak
+            row[17] = t_last
+    return scores, base_out, flags, n_out
 
 
 # --------------------------------------------------------------------------------------------

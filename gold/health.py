@@ -14,7 +14,8 @@ State is keyed by a hash bucket of ``device_id`` (``STATE_BUCKETS``), each holdi
 its devices: Spark's fixed cost per group in the Python worker (Arrow to pandas per group, state
 (de)serialisation, one output frame per group) is ~1 ms, which with a key per device capped the
 stream at ~1k readings/s for 10k devices. A bucket is processed column-wise (one sort,
-vectorised rules and output columns); only the detector runs per device. Timeouts stay per
+vectorised rules and output columns, its devices' state as arrays) and all its (device, metric)
+detectors run in one compiled call (``gold.anomaly.score_lanes``). Timeouts stay per
 device and exact: a bucket's timeout is its devices' earliest deadline, and every call also
 times out its devices without data whose deadline is below the watermark (Spark's rule).
 Changing ``STATE_BUCKETS`` or ``DEVICE_STATE`` needs a new checkpoint.
@@ -26,8 +27,10 @@ Outputs, written exactly once per micro-batch: ``readings_scored`` (every scored
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
@@ -38,7 +41,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
-from gold.anomaly import DetectorConfig, DetectorState, score_batch
+from gold.anomaly import DetectorConfig, initial_rows, score_lanes, state_fields
 from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, merge_arrow
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.streams import query_id, trigger_kwargs
@@ -51,9 +54,11 @@ from lakehouse.tables import (
 )
 
 QUERY = "gold_health"
-#: Fixed per checkpoint. More buckets: less state rewritten when few of a bucket's devices
-#: report in a micro-batch; fewer: less per-group overhead.
-STATE_BUCKETS = 256
+#: Fixed per checkpoint; also the most shuffle partitions the stream can use. More buckets:
+#: less state rewritten when a micro-batch has fewer readings than buckets; fewer: less fixed
+#: cost per group (~3 ms: pyspark's conversions and ours). 256 -> 64 took the Python workers
+#: from 0.9 to 0.46 CPU-s per 100k readings at 10k devices (bench/gold_throughput.py).
+STATE_BUCKETS = 64
 
 # One row per reading (kind "reading", its metrics side by side: a third of the rows of one row
 # per metric, which the JVM and both Arrow conversions pay per row), per status change
@@ -67,7 +72,10 @@ OUT_SCHEMA = ", ".join([
 _OUT_TYPES = dict(c.split() for c in OUT_SCHEMA.split(", "))
 _NAT = np.iinfo(np.int64).min  # timestamps are carried as int64 ns, NaT = null
 
-STATE_SCHEMA = "devices binary"  # an Arrow IPC stream of DEVICE_STATE, one row per device
+# A bucket's state: one row per device, as an LZ4-compressed Arrow IPC stream in base64 text.
+# Text, not binary: pyspark hands a binary state to Python through the JVM's pickler, which
+# builds it byte by byte (a sixth of the JVM's CPU at 10k devices); ASCII is copied in bulk.
+STATE_SCHEMA = "devices string"
 DEVICE_STATE = pa.schema([
     ("device_id", pa.string()), ("status", pa.string()),
     ("status_since", pa.int64()), ("last_seen", pa.int64()), ("timeout_at", pa.int64()),  # ms
@@ -76,42 +84,109 @@ DEVICE_STATE = pa.schema([
     # inside an applyInPandasWithState state schema
     *[(f"det_{m}", pa.binary()) for m in METRICS],
 ])
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
+_NONE = np.iinfo(np.int64).min  # a missing epoch-ms time in a Bucket's int64 columns
+_K = len(METRICS)
 
 
 @dataclass(slots=True)
-class Device:
-    """One device's state inside its bucket (times in epoch ms)."""
+class Bucket:
+    """A bucket's devices column-wise (times in epoch ms): no per-device Python objects."""
 
-    status: str | None = None
-    status_since: int | None = None
-    last_seen: int | None = None
-    timeout_at: int | None = None  # offline when the watermark passes it; None once offline
-    values: list[float | None] = field(default_factory=lambda: [None] * len(METRICS))
-    anomaly_score: float | None = None
-    dets: list[bytes | None] = field(default_factory=lambda: [None] * len(METRICS))
+    ids: np.ndarray  # device_id (object)
+    status: np.ndarray  # object: str or None
+    status_since: np.ndarray  # int64, _NONE = never
+    last_seen: np.ndarray
+    timeout_at: np.ndarray  # offline when the watermark passes it; _NONE once offline
+    values: np.ndarray  # [devices, metrics] float64, NaN = none yet
+    anomaly_score: np.ndarray  # float64, NaN = none yet
+    dets: np.ndarray  # [metrics, devices, state_len] detector states (DetectorState.to_row())
+    det_set: np.ndarray  # [metrics, devices] bool: a detector state exists
+
+    @classmethod
+    def empty(cls, state_len: int) -> Bucket:
+        def z() -> np.ndarray:
+            return np.zeros(0, dtype=np.int64)
+
+        return cls(np.zeros(0, dtype=object), np.zeros(0, dtype=object), z(), z(), z(),
+                   np.zeros((0, _K)), np.zeros(0), np.zeros((_K, 0, state_len)),
+                   np.zeros((_K, 0), dtype=bool))
+
+    def index(self, names: np.ndarray) -> np.ndarray:
+        """Positions of ``names``, appending the devices not seen before (in that order)."""
+        pos = pd.Index(self.ids).get_indexer(names) if len(self.ids) else np.full(len(names), -1)
+        new = pos < 0
+        if new.any():
+            k, n0 = int(new.sum()), len(self.ids)
+            pos[new] = np.arange(n0, n0 + k)
+            none = np.full(k, _NONE, dtype=np.int64)
+            self.ids = np.concatenate([self.ids, names[new]])
+            self.status = np.concatenate([self.status, np.full(k, None, dtype=object)])
+            self.status_since = np.concatenate([self.status_since, none])
+            self.last_seen = np.concatenate([self.last_seen, none])
+            self.timeout_at = np.concatenate([self.timeout_at, none])
+            self.values = np.concatenate([self.values, np.full((k, _K), np.nan)])
+            self.anomaly_score = np.concatenate([self.anomaly_score, np.full(k, np.nan)])
+            self.dets = np.concatenate([self.dets, np.zeros((_K, k, self.dets.shape[2]))], axis=1)
+            self.det_set = np.concatenate([self.det_set, np.zeros((_K, k), dtype=bool)], axis=1)
+        return pos
 
 
-def load_devices(blob: bytes) -> dict[str, Device]:
+def _ints(a: np.ndarray) -> pa.Array:
+    return pa.array(a, pa.int64(), mask=a == _NONE)
+
+
+def _floats(a: np.ndarray) -> pa.Array:
+    return pa.array(a, pa.float64(), mask=np.isnan(a))
+
+
+def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
+    """Binary column of packed float64 rows (null where not ``present``), without a Python loop."""
+    size = rows.shape[1] * 8
+    offsets = np.r_[0, np.cumsum(np.where(present, size, 0))].astype(np.int32)
+    data = np.ascontiguousarray(rows[present]).tobytes()
+    validity = pa.array(present).buffers()[1]
+    return pa.Array.from_buffers(pa.binary(), len(present),
+                                 [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
+                                 null_count=int((~present).sum()))
+
+
+def load_devices(blob: str, state_len: int) -> Bucket:
     """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
-    c = pa.ipc.open_stream(blob).read_all().to_pydict()
-    return {d: Device(c["status"][i], c["status_since"][i], c["last_seen"][i], c["timeout_at"][i],
-                      [c[m][i] for m in METRICS], c["anomaly_score"][i],
-                      [c[f"det_{m}"][i] for m in METRICS])
-            for i, d in enumerate(c["device_id"])}
+    t = pa.ipc.open_stream(base64.b64decode(blob)).read_all()
+    n = t.num_rows
+    dets, det_set = np.zeros((_K, n, state_len)), np.zeros((_K, n), dtype=bool)
+    for i, m in enumerate(METRICS):
+        col = t.column(f"det_{m}")
+        det_set[i] = pc.is_valid(col).to_numpy(zero_copy_only=False)
+        packed = b"".join(col.drop_null().to_pylist())
+        dets[i, det_set[i]] = np.frombuffer(packed, dtype=np.float64).reshape(-1, state_len)
+
+    def ints(name: str) -> np.ndarray:
+        return t.column(name).fill_null(_NONE).to_numpy().copy()  # writable
+
+    return Bucket(
+        t.column("device_id").to_numpy(zero_copy_only=False),
+        t.column("status").to_numpy(zero_copy_only=False).astype(object),
+        ints("status_since"), ints("last_seen"), ints("timeout_at"),
+        np.stack([t.column(m).to_numpy(zero_copy_only=False) for m in METRICS], axis=1)
+        .astype(np.float64),
+        t.column("anomaly_score").to_numpy(zero_copy_only=False).astype(np.float64),
+        dets, det_set)
 
 
-def dump_devices(devs: dict[str, Device]) -> bytes:
-    ds = list(devs.values())
-    cols = {"device_id": list(devs), "status": [d.status for d in ds],
-            "status_since": [d.status_since for d in ds], "last_seen": [d.last_seen for d in ds],
-            "timeout_at": [d.timeout_at for d in ds],
-            **{m: [d.values[i] for d in ds] for i, m in enumerate(METRICS)},
-            "anomaly_score": [d.anomaly_score for d in ds],
-            **{f"det_{m}": [d.dets[i] for d in ds] for i, m in enumerate(METRICS)}}
+def dump_devices(b: Bucket) -> str:
+    """Inverse of :func:`load_devices`."""
+    table = pa.table([
+        pa.array(b.ids, pa.string()), pa.array(b.status, pa.string()),
+        _ints(b.status_since), _ints(b.last_seen), _ints(b.timeout_at),
+        *[_floats(b.values[:, i]) for i in range(_K)], _floats(b.anomaly_score),
+        *[_packed(b.dets[i], b.det_set[i]) for i in range(_K)],
+    ], schema=DEVICE_STATE)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, DEVICE_STATE) as w:
-        w.write_table(pa.table(cols, schema=DEVICE_STATE))
-    return sink.getvalue().to_pybytes()
+    with pa.ipc.new_stream(sink, DEVICE_STATE, options=_IPC_OPTIONS) as w:
+        w.write_table(table)
+    return base64.b64encode(sink.getvalue()).decode("ascii")
 
 
 class Rows:
@@ -143,58 +218,66 @@ class Rows:
         return pd.DataFrame(data)
 
 
-def _ns(ms: int | None) -> int:
-    return _NAT if ms is None else ms * 1_000_000
-
-
 def health_fn(gold: GoldSettings):
     """The per-bucket state function (a closure over the rules, shipped to executors)."""
     cfg = DetectorConfig(threshold=gold.anomaly_threshold)
+    state_len = len(state_fields(cfg))
     timeout_ms = gold.offline_after_seconds * 1000
 
     def fn(key: tuple, pdfs: Iterator[pd.DataFrame], state: GroupState) -> Iterator[pd.DataFrame]:
-        devs = load_devices(state.get[0]) if state.exists else {}
+        devs = load_devices(state.get[0], state_len) if state.exists else Bucket.empty(state_len)
         out = Rows()
-        touched: list[str] = []
+        touched = np.zeros(0, dtype=np.int64)
         if not state.hasTimedOut:
             frames = [p for p in pdfs if len(p)]
             if frames:
                 pdf = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
                 touched = score_readings(pdf, devs, out, cfg, gold, timeout_ms)
         wm = state.getCurrentWatermarkMs()
-        with_data = set(touched)
-        timed_out = [d for d, dv in devs.items() if d not in with_data
-                     and dv.timeout_at is not None and dv.timeout_at < wm]
-        for d in timed_out:  # no reading for offline_after: offline as of last_seen + timeout
-            dv = devs[d]
-            dv.timeout_at = None
-            if dv.status != "offline":
-                when = dv.last_seen + timeout_ms
-                out.add(1, kind="status", device_id=d, status="offline",
-                        previous_status=dv.status, reason="no_data", event_time=_ns(when))
-                dv.status, dv.status_since = "offline", when
-        current = [devs[d] for d in touched + timed_out]
-        out.add(len(current), kind="current", device_id=touched + timed_out,
-                status=[d.status for d in current],
-                status_since=[_ns(d.status_since) for d in current],
-                last_seen=[_ns(d.last_seen) for d in current],
-                **{m: [np.nan if d.values[i] is None else d.values[i] for d in current]
-                   for i, m in enumerate(METRICS)},
-                anomaly_score=[np.nan if d.anomaly_score is None else d.anomaly_score
-                               for d in current])
+        quiet = np.ones(len(devs.ids), dtype=bool)
+        quiet[touched] = False
+        timed_out = np.flatnonzero(quiet & (devs.timeout_at != _NONE) & (devs.timeout_at < wm))
+        # no reading for offline_after: offline as of last_seen + timeout
+        devs.timeout_at[timed_out] = _NONE
+        went = timed_out[devs.status[timed_out] != "offline"]
+        when = devs.last_seen[went] + timeout_ms
+        out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
+                previous_status=devs.status[went], reason="no_data", event_time=when * 1_000_000)
+        devs.status[went], devs.status_since[went] = "offline", when
+        cur = np.concatenate([touched, timed_out])
+        out.add(len(cur), kind="current", device_id=devs.ids[cur], status=devs.status[cur],
+                status_since=_ns(devs.status_since[cur]), last_seen=_ns(devs.last_seen[cur]),
+                **{m: devs.values[cur, i] for i, m in enumerate(METRICS)},
+                anomaly_score=devs.anomaly_score[cur])
         state.update((dump_devices(devs),))
-        pending = [dv.timeout_at for dv in devs.values() if dv.timeout_at is not None]
-        if pending:
-            state.setTimeoutTimestamp(min(pending))
+        pending = devs.timeout_at[devs.timeout_at != _NONE]
+        if pending.size:
+            state.setTimeoutTimestamp(int(pending.min()))
         if out.parts:
             yield out.frame()
 
     return fn
 
 
-def score_readings(pdf: pd.DataFrame, devs: dict[str, Device], out: Rows, cfg: DetectorConfig,
-                   gold: GoldSettings, timeout_ms: int) -> list[str]:
-    """Score one bucket's readings device by device in event-time order; returns the devices."""
+def _ns(ms: np.ndarray) -> np.ndarray:
+    """Epoch ms (``_NONE`` = missing) as int64 ns (``_NAT``)."""
+    return np.where(ms == _NONE, _NAT, ms * 1_000_000)
+
+
+@lru_cache(maxsize=8)
+def _initial_det(cfg: DetectorConfig) -> np.ndarray:
+    """The detector state of a never-seen (device, metric)."""
+    return initial_rows(1, cfg)[0]
+
+
+#: Status reasons by ``battery_low * 4 + error * 2 + anomaly``.
+_REASONS = np.array([",".join(r for r, bit in (("battery_low", 4), ("error", 2), ("anomaly", 1))
+                              if code & bit) or "data" for code in range(8)], dtype=object)
+
+
+def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConfig,
+                   gold: GoldSettings, timeout_ms: int) -> np.ndarray:
+    """Score one bucket's readings per device in event-time order; returns the devices' positions."""
     codes, names = pd.factorize(pdf["device_id"].to_numpy(dtype=object))
     t_raw = pdf["event_time"].to_numpy(dtype="datetime64[ns]").view(np.int64)
     order = np.lexsort((t_raw, codes))  # stable: ties keep their arrival order
@@ -202,33 +285,27 @@ def score_readings(pdf: pd.DataFrame, devs: dict[str, Device], out: Rows, cfg: D
     n = len(order)
     starts = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])
     ends = np.r_[starts[1:], n]
-    seg = np.repeat(np.arange(len(starts)), ends - starts)
     ms = t_ns // 1_000_000
     t_sec = ms / 1000.0
     vals = np.stack([pdf[m].to_numpy(dtype=float)[order] for m in METRICS])
-    devices = [names[c] for c in codes[starts]]
-    dstate = [devs.setdefault(d, Device()) for d in devices]
+    pos = devs.index(np.asarray(names, dtype=object)[codes[starts]])
 
-    k_m = len(METRICS)
+    # one detector lane per (metric, device): every lane of the bucket in one compiled call
+    n_dev = len(starts)
     present = ~np.isnan(vals)
-    scores, base = np.zeros((k_m, n)), np.full((k_m, n), np.nan)
-    flags = np.zeros((k_m, n), dtype=bool)
-    n_before = np.zeros((k_m, len(starts)))
-    for k, (a, b, dv) in enumerate(zip(starts.tolist(), ends.tolist(), dstate, strict=True)):
-        ts = t_sec[a:b]
-        for i in range(k_m):
-            if not present[i, a:b].any():  # the detector would score 0 and keep its state
-                continue
-            prev = None if dv.dets[i] is None else DetectorState.from_row(
-                np.frombuffer(dv.dets[i]).tolist())
-            s, bl, f, st = score_batch(vals[i, a:b], ts, prev, cfg)
-            scores[i, a:b], base[i, a:b], flags[i, a:b] = s, bl, f
-            n_before[i, k] = prev.n if prev is not None else 0
-            dv.dets[i] = np.asarray(st.to_row(), dtype=np.float64).tobytes()
+    rows = np.where(devs.det_set[:, pos, None], devs.dets[:, pos], _initial_det(cfg))
+    offsets = np.r_[(starts + n * np.arange(_K)[:, None]).ravel(), _K * n]
+    s, bl, f, nb, new_rows = score_lanes(vals.ravel(), np.tile(t_sec, _K), offsets,
+                                         rows.reshape(_K * n_dev, -1), cfg)
+    scores, base, flags = s.reshape(_K, n), bl.reshape(_K, n), f.reshape(_K, n)
+    # a metric without readings keeps its state (and a never-seen one stays unset)
+    seen = np.add.reduceat(present, starts, axis=1) > 0
+    new_rows = new_rows.reshape(_K, n_dev, -1)
+    for i in range(_K):
+        devs.dets[i, pos[seen[i]]] = new_rows[i, seen[i]]
+        devs.det_set[i, pos[seen[i]]] = True
 
-    cum = np.cumsum(present, axis=1)
-    within = cum - (cum - present)[:, starts][:, seg]  # readings so far in the device's batch
-    warm = n_before[:, seg] + within > cfg.warmup  # no status from warm-up scores
+    warm = nb.reshape(_K, n) + 1 > cfg.warmup  # no status from warm-up scores
     max_score = np.where(warm, scores, 0.0).max(axis=0)
 
     dev_col = names[codes]
@@ -245,23 +322,23 @@ def score_readings(pdf: pd.DataFrame, devs: dict[str, Device], out: Rows, cfg: D
     new = np.where(batt_low | err | anom, "degraded", "online").astype(object)
     prev_status = np.empty(n, dtype=object)
     prev_status[1:] = new[:-1]
-    prev_status[starts] = [dv.status for dv in dstate]
-    changed = np.flatnonzero(new != prev_status)
-    reasons = [",".join(r for r, flag in (("battery_low", b), ("error", e), ("anomaly", a)) if flag)
-               or "data" for b, e, a in zip(batt_low[changed], err[changed], anom[changed], strict=True)]
+    prev_status[starts] = devs.status[pos]
+    is_change = new != prev_status
+    changed = np.flatnonzero(is_change)
+    reasons = _REASONS[batt_low[changed] * 4 + err[changed] * 2 + anom[changed]]
     out.add(len(changed), kind="status", device_id=dev_col[changed], status=new[changed],
             previous_status=prev_status[changed], reason=reasons, event_time=t_ns[changed])
 
-    last_change = np.maximum.reduceat(np.where(new != prev_status, np.arange(n), -1), starts)
-    for dv, j, c in zip(dstate, (ends - 1).tolist(), last_change.tolist(), strict=True):
-        dv.status = new[j]
-        if c >= 0:
-            dv.status_since = int(ms[c])
-        dv.last_seen = max(int(ms[j]), dv.last_seen or 0)
-        dv.values = [None if np.isnan(v) else float(v) for v in vals[:, j]]
-        dv.anomaly_score = float(max_score[j])
-        dv.timeout_at = dv.last_seen + timeout_ms
-    return devices
+    last = ends - 1
+    last_change = np.maximum.reduceat(np.where(is_change, np.arange(n), -1), starts)
+    devs.status[pos] = new[last]
+    devs.status_since[pos] = np.where(last_change >= 0, ms[last_change], devs.status_since[pos])
+    devs.last_seen[pos] = np.maximum(ms[last], np.where(devs.last_seen[pos] == _NONE, 0,
+                                                        devs.last_seen[pos]))
+    devs.values[pos] = vals[:, last].T
+    devs.anomaly_score[pos] = max_score[last]
+    devs.timeout_at[pos] = devs.last_seen[pos] + timeout_ms
+    return pos
 
 
 def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:

@@ -15,8 +15,10 @@ from gold.anomaly import (
     DetectorState,
     WindowedGaussianBaseline,
     WindowedGaussianConfig,
+    initial_rows,
     initial_state,
     score_batch,
+    score_lanes,
     state_fields,
     state_schema_ddl,
 )
@@ -113,6 +115,44 @@ def test_chunked_equals_whole_and_state_round_trips(seed: int) -> None:
     assert state.to_row() == whole[3].to_row()
     assert np.isnan(whole[0][[5, 1000, 2000]]).sum() == 0
     assert not whole[2][[5, 1000, 2000]].any()
+
+
+def test_score_lanes_equals_score_batch_per_lane_in_any_chunking() -> None:
+    """One compiled call over many lanes is score_batch per lane, however the readings are split."""
+    rng = np.random.default_rng(9)
+    cfg = DetectorConfig()
+    lanes = [synthetic(seed)[:2] for seed in range(3)]
+    x = 5.0 + rng.standard_t(3, 700)
+    x[rng.random(700) < 0.05] = np.nan
+    lanes += [(x, T0 + 37.0 * np.arange(700)),  # another time grid, missing readings
+              (np.array([]), np.array([])),  # a lane without readings keeps its state
+              (np.array([1.0, np.nan, 2.0]), T0 + np.arange(3.0))]
+    expected = [score_batch(x, t, None, cfg) for x, t in lanes]
+
+    rounds = 6  # every lane cut at its own random points (empty chunks included)
+    cuts = [np.sort(np.r_[0, rng.integers(0, len(x) + 1, rounds - 1), len(x)]) for x, _ in lanes]
+    states = initial_rows(len(lanes), cfg)
+    got: list[list[tuple]] = [[] for _ in lanes]
+    for r in range(rounds):
+        parts = [(x[c[r]:c[r + 1]], t[c[r]:c[r + 1]]) for (x, t), c in zip(lanes, cuts, strict=True)]
+        offsets = np.r_[0, np.cumsum([len(p[0]) for p in parts])]
+        before = states.copy()
+        sc, bl, fl, nb, new = score_lanes(np.concatenate([p[0] for p in parts]),
+                                          np.concatenate([p[1] for p in parts]),
+                                          offsets, states, cfg)
+        np.testing.assert_array_equal(states, before)  # the input is not modified
+        states = new
+        for j, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            got[j].append((sc[a:b], bl[a:b], fl[a:b], nb[a:b]))
+    for j, (s, bl, f, st) in enumerate(expected):
+        for k, want in enumerate((s, bl, f)):
+            np.testing.assert_array_equal(np.concatenate([g[k] for g in got[j]]), want)
+        np.testing.assert_array_equal(states[j], np.asarray(st.to_row()))
+    # n_before counts the readings learnt so far (NaN readings are not learnt)
+    nb0 = np.concatenate([g[3] for g in got[0]])
+    np.testing.assert_array_equal(nb0, np.arange(N))
+    with pytest.raises(ValueError, match="offsets"):
+        score_lanes(np.zeros(3), np.zeros(3), [0, 2], initial_rows(1, cfg), cfg)
 
 
 def test_state_row_layout() -> None:
