@@ -80,7 +80,9 @@ class CPublisher:
 
 
 def kafka_env(s: Settings) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+    # IOTLAKE_BRIDGE__* from the caller tune the bridge (e.g. max_inflight, linger_ms)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("IOTLAKE_") or k.startswith("IOTLAKE_BRIDGE__")}
     host, port = s.mqtt_endpoint
     env.update({"IOTLAKE_KAFKA__BOOTSTRAP": s.kafka_bootstrap, "IOTLAKE_KAFKA__TOPIC": s.kafka.topic,
                 "IOTLAKE_KAFKA__DEAD_LETTER_TOPIC": s.kafka.dead_letter_topic,

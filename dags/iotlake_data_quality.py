@@ -1,8 +1,10 @@
-"""Daily data-quality validation of silver as it stood at the end of yesterday.
+"""Daily data-quality validation of yesterday's silver rows, as they stood at midnight.
 
-Runs ``iotlake validate silver --version V --out <data_root>/quality/silver/daily-<day>``: V is
-the version current at the UTC midnight that starts the run's day (from its data interval, not the
-wall clock), so a retry or a late re-run checks the same snapshot into the same report directory.
+Runs ``iotlake validate silver --version V --date DAY --out <data_root>/quality/silver/daily-DAY``:
+DAY is the UTC day before the run's data interval ends, V the version current at the midnight
+ending DAY (both from the data interval, not the wall clock), and only rows with event_time in
+DAY are checked. A retry or a late re-run checks the same rows into the same report directory
+(GX result JSON and Data Docs).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def iotlake_data_quality() -> None:
         day = (end - timedelta(days=1)).date().isoformat()
         version = version_at(settings, "silver", end)
         out = settings.root / "quality" / "silver" / f"daily-{day}"
-        _iotlake("validate", "silver", "--version", str(version), "--out", str(out))
+        _iotlake("validate", "silver", "--version", str(version), "--date", day, "--out", str(out))
 
     validate_silver()
 

@@ -2,7 +2,8 @@
 
 Same code and same checkpoint as the live stream, so a backfill and the live stream never
 disagree and either can pick up where the other stopped. The checkpoint lock makes a backfill
-refuse to run while the live stream of that layer is running. Progress (rows done / rows to
+refuse to run while the live stream of that layer is running (checked before Spark starts); a
+layer with nothing new upstream is skipped without starting Spark at all. Progress (rows done / rows to
 do) is logged per micro-batch.
 """
 
@@ -14,6 +15,7 @@ import logging
 import time
 from pathlib import Path
 
+from lakehouse import storage
 from lakehouse.delta_source import commit_adds, latest_version
 from lakehouse.settings import Settings
 
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 #: layer -> (query name, upstream table or "kafka")
 _UPSTREAM = {"bronze": ("bronze", "kafka"), "silver": ("silver", "bronze"),
              "gold": ("gold_metrics_1m", "silver")}
+#: layer -> the checkpoints its queries use
+_CHECKPOINTS = {"bronze": ("bronze",), "silver": ("silver",), "gold": ("gold_metrics_1m", "gold_health")}
 
 
 def _committed_offset(checkpoint: str) -> dict | None:
@@ -53,12 +57,27 @@ def rows_to_do(settings: Settings, layer: str) -> int:
     return sum(n for v in range(first, latest_version(path) + 1) for _, n in commit_adds(path, v))
 
 
+def caught_up(settings: Settings, layer: str, bronze_version: int | None = None) -> bool:
+    """Every query of a Delta-fed layer committed its upstream's latest version (for silver, at
+    most ``bronze_version`` if given): a run would find nothing to do, so Spark need not start.
+
+    Compares versions, not rows, so a commit without rows (compaction) still counts as work.
+    """
+    if layer == "bronze":  # Kafka: only the stream knows
+        return False
+    target = latest_version(settings.table_path(_UPSTREAM[layer][1]))
+    if layer == "silver" and bronze_version is not None:
+        target = min(target, bronze_version)
+    return all((_committed_offset(settings.checkpoint_path(q)) or {"version": -1})["version"] >= target
+               for q in _CHECKPOINTS[layer])
+
+
 def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
              progress_every: float = 2.0) -> dict[str, int]:
     """Catch the given layers up, upstream first; returns rows processed per layer."""
     from lakehouse.pipeline import LAYERS, start_layers
     from lakehouse.spark import spark_session
-    from lakehouse.streams import release_checkpoints
+    from lakehouse.streams import lock_checkpoint, release_checkpoints
 
     unknown = [x for x in layers if x not in LAYERS]
     if unknown:
@@ -69,10 +88,21 @@ def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
         settings = settings.model_copy(deep=True)
         settings.stream.max_offsets_per_trigger = max_rows
         settings.stream.max_rows_per_trigger = max_rows
-    spark = spark_session(settings, app_name="iotlake-backfill")
     done: dict[str, int] = {}
     try:
+        # refuse before starting Spark (seconds) if a live stream holds any checkpoint needed
+        for layer in layers:
+            for query in _CHECKPOINTS[layer]:
+                lock_checkpoint(settings.checkpoint_path(query))
+        storage.check(settings)  # what spark_session does first; the checks below read tables
+        storage.configure(settings)
+        spark = None
         for layer in [x for x in LAYERS if x in layers]:
+            if caught_up(settings, layer):  # e.g. an Airflow rerun: no JVM for nothing
+                log.info("backfill %s: nothing to do", layer)
+                done[layer] = 0
+                continue
+            spark = spark or spark_session(settings, app_name="iotlake-backfill")
             todo = rows_to_do(settings, layer)
             log.info("backfill %s: %d rows to do", layer, todo)
             queries = start_layers(spark, settings, (layer,), trigger="available_now")

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "lakehouse.maintenance_cli",
     "silver.cli",
     "lakehouse.query_cli",
+    "lakehouse.sql_cli",
     "dashboard.cli",
     "ingest.cli",
     "lakehouse.cluster",

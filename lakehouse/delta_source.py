@@ -1,6 +1,10 @@
-"""Delta streaming source as a Spark 4 Python Data Source (format ``iotlake_delta``... reader).
+"""Delta sources as Spark 4 Python Data Sources (no delta-spark jars needed).
 
-Offsets are ``{"version": v}``: the last table version fully read (-1 before the first). Each
+``iotlake_delta_stream`` is the streaming reader the layers chain on; ``iotlake_delta_batch``
+reads one table version (``iotlake sql``'s views), one partition per data file. (The sink is
+``iotlake_delta``, in ``lakehouse.delta_sink``.)
+
+Stream offsets are ``{"version": v}``: the last table version fully read (-1 before the first). Each
 micro-batch reads the files that commits ``start+1 .. end`` added with ``dataChange=true``;
 compaction commits (OPTIMIZE, dataChange=false) are skipped, so compaction never re-delivers
 rows. Options: ``path``, ``max_rows_per_trigger``, ``starting_version``. ``path`` may be an
@@ -15,7 +19,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -65,15 +74,9 @@ class DeltaSourceDataSource(DataSource):
         return "iotlake_delta_stream"
 
     def schema(self) -> StructType:
-        from deltalake import DeltaTable
-        from pyspark.sql.pandas.types import from_arrow_schema
-
-        path = self.options.get("path")
-        if not path:
+        if not self.options.get("path"):
             raise ValueError("iotlake_delta_stream: option 'path' is required")
-        dt = DeltaTable(path, storage_options=storage.options_for(path) or None)
-        arrow = pa.schema(dt.schema().to_arrow())
-        return from_arrow_schema(arrow)
+        return spark_schema(self.options["path"])
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return DeltaStreamReader(dict(self.options), schema)
@@ -144,17 +147,76 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return f"DeltaStreamReader({self.path!r})"
 
     def read(self, partition: DeltaFile) -> Iterator[pa.RecordBatch]:
-        if storage.is_uri(partition.path):
-            fs, key = storage.filesystem(partition.path, self.storage_options)
-            pf = pq.ParquetFile(fs.open_input_file(key))
-        else:
-            pf = pq.ParquetFile(partition.path)
-        names = [n for n in self.column_names if n in pf.schema_arrow.names]
-        for batch in pf.iter_batches(batch_size=65_536, columns=names):
-            if len(names) < len(self.column_names):  # column added later: fill with nulls
-                table = pa.Table.from_batches([batch])
-                for n in self.column_names:
-                    if n not in names:
-                        table = table.append_column(n, pa.nulls(batch.num_rows))
-                batch = table.select(self.column_names).combine_chunks().to_batches()[0]
-            yield batch
+        return read_file(partition.path, self.column_names, self.storage_options)
+
+
+def read_file(path: str, column_names: list[str],
+              storage_options: dict[str, str] | None) -> Iterator[pa.RecordBatch]:
+    """A data file's batches in ``column_names`` order; columns it predates come back null."""
+    if storage.is_uri(path):
+        fs, key = storage.filesystem(path, storage_options)
+        pf = pq.ParquetFile(fs.open_input_file(key))
+    else:
+        pf = pq.ParquetFile(path)
+    names = [n for n in column_names if n in pf.schema_arrow.names]
+    for batch in pf.iter_batches(batch_size=65_536, columns=names):
+        if len(names) < len(column_names):  # column added later: fill with nulls
+            table = pa.Table.from_batches([batch])
+            for n in column_names:
+                if n not in names:
+                    table = table.append_column(n, pa.nulls(batch.num_rows))
+            batch = table.select(column_names).combine_chunks().to_batches()[0]
+        yield batch
+
+
+def spark_schema(path: str, version: int | None = None) -> StructType:
+    """The table's schema (at ``version``) as Spark sees it; passing it to ``.schema()`` spares
+    Spark a Python worker round trip to ask the source."""
+    from deltalake import DeltaTable
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    dt = DeltaTable(path, version=version, storage_options=storage.options_for(path) or None)
+    return from_arrow_schema(pa.schema(dt.schema().to_arrow()))
+
+
+class DeltaBatchDataSource(DataSource):
+    """Batch read of one table version: options ``path`` and ``version`` (default: latest)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "iotlake_delta_batch"
+
+    def schema(self) -> StructType:
+        if not self.options.get("path"):
+            raise ValueError("iotlake_delta_batch: option 'path' is required")
+        version = self.options.get("version")
+        return spark_schema(self.options["path"], int(version) if version else None)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return DeltaBatchReader(dict(self.options), schema)
+
+
+class DeltaBatchReader(DataSourceReader):
+    def __init__(self, options: dict[str, str], schema: StructType) -> None:
+        from deltalake import DeltaTable
+
+        self.path = options["path"]
+        self.storage_options = storage.options_for(self.path)
+        version = int(options["version"]) if options.get("version") else None
+        dt = DeltaTable(self.path, version=version, storage_options=self.storage_options or None)
+        if dt.metadata().partition_columns:  # their values live in the log, not in the files
+            raise ValueError(f"iotlake_delta_batch: partitioned tables are not supported ({self.path})")
+        self.version = dt.version()  # pinned when the read is planned
+        self.files = dt.file_uris()
+        self.column_names = schema.fieldNames()
+
+    def partitions(self) -> list[InputPartition]:
+        # Spark needs at least one partition; an empty table reads one that yields nothing
+        return [DeltaFile(f, self.version) for f in self.files] or [DeltaFile("", self.version)]
+
+    def read(self, partition: DeltaFile) -> Iterator[pa.RecordBatch]:
+        return read_file(partition.path, self.column_names, self.storage_options) if partition.path \
+            else iter(())
+
+    def __repr__(self) -> str:  # never show credentials
+        return f"DeltaBatchReader({self.path!r}@v{self.version})"

@@ -112,8 +112,14 @@ def _build(target: Settings, bronze_version: int) -> None:
     import gold.health
     import gold.windows
     import silver.stream
+    from lakehouse import storage
+    from lakehouse.backfill import caught_up
     from lakehouse.spark import spark_session
 
+    storage.configure(target)  # as spark_session would, before reading remote checkpoints' tables
+    if caught_up(target, "silver", bronze_version) and caught_up(target, "gold"):
+        log.info("generation already built from bronze version %d", bronze_version)
+        return  # a rerun: no Spark for nothing
     spark = spark_session(target, app_name="iotlake-reprocess")
     for start in (lambda: silver.stream.start(spark, target, trigger="available_now",
                                               bronze_ending_version=bronze_version),

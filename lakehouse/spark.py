@@ -58,8 +58,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
 
 def register_sources(spark: SparkSession) -> None:
     from lakehouse.delta_sink import DeltaSinkDataSource
-    from lakehouse.delta_source import DeltaSourceDataSource
+    from lakehouse.delta_source import DeltaBatchDataSource, DeltaSourceDataSource
     from lakehouse.kafka_source import KafkaDataSource
 
-    for ds in (KafkaDataSource, DeltaSinkDataSource, DeltaSourceDataSource):
+    for ds in (KafkaDataSource, DeltaSinkDataSource, DeltaSourceDataSource, DeltaBatchDataSource):
         spark.dataSource.register(ds)

@@ -2,7 +2,8 @@
 
 The stream runs the suite compiled to Spark (``silver.expectations``); this is the audit trail:
 GX's own validation result JSON and Data Docs HTML for one table version, e.g. after a backfill
-or before a time-travel reprocessing. It runs on pandas, so it reads only the columns the suite
+or before a time-travel reprocessing; ``day`` restricts it to the rows of one UTC day (the
+daily DAG checks yesterday's data, not the whole history again). It runs on pandas, so it reads only the columns the suite
 needs; GX on pandas treats NaN as null (the stream treats NaN as a value).
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import json
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
 import great_expectations as gx
+import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from great_expectations.checkpoint import UpdateDataDocsAction
 from great_expectations.data_context.types.base import (
@@ -64,10 +66,19 @@ def _open(settings: Settings, table: str, version: int | None) -> DeltaTable:
         raise ValidationSetupError(f"table {table!r}: cannot load version {version}: {e}") from None
 
 
+def _day_filter(day: date, present: set[str]) -> ds.Expression:
+    """Rows whose event time falls in the UTC day ``day`` (a daily job checks one day's data)."""
+    if "event_time" not in present:
+        raise ValidationSetupError("--date needs an event_time column; this table has none")
+    start = datetime.combine(day, time(), UTC)
+    return (ds.field("event_time") >= start) & (ds.field("event_time") < start + timedelta(days=1))
+
+
 def validate_table(settings: Settings, table: str, version: int | None = None,
                    suite_path: str | Path | None = None,
-                   out_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run the suite on ``table`` (at ``version``) with GX; write result JSON and Data Docs.
+                   out_dir: str | Path | None = None, day: date | None = None) -> dict[str, Any]:
+    """Run the suite on ``table`` (at ``version``; only rows with event time in the UTC ``day``
+    if given) with GX; write result JSON and Data Docs.
 
     Returns a JSON-serialisable summary (Airflow XCom friendly): ``success``, ``rows``,
     ``unexpected_counts`` (name -> count, None for aggregate checks) and per-expectation details.
@@ -76,7 +87,11 @@ def validate_table(settings: Settings, table: str, version: int | None = None,
     suite = load_suite(suite_path)
     present = {f.name for f in dt.schema().fields}
     columns = [c for c in suite.columns if c in present]  # missing ones: GX reports them
-    pdf = dt.to_pandas(columns=columns or None)
+    if day is None:
+        pdf = dt.to_pandas(columns=columns or None)
+    else:
+        pdf = dt.to_pyarrow_dataset().to_table(columns=columns or None,
+                                               filter=_day_filter(day, present)).to_pandas()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     out = Path(out_dir) if out_dir else settings.root / "quality" / table / stamp
     try:
@@ -87,7 +102,7 @@ def validate_table(settings: Settings, table: str, version: int | None = None,
     ctx = _context(out)
     gx_suite = ctx.suites.add(gx.ExpectationSuite(**copy.deepcopy(dict(suite.raw))))
     names = {e.id: c.name for e, c in zip(gx_suite.expectations, suite.checks, strict=True)}
-    label = f"{table}@v{dt.version()}"
+    label = f"{table}@v{dt.version()}" + (f"-{day.isoformat()}" if day else "")
     batch = (ctx.data_sources.add_pandas(table).add_dataframe_asset(name=table)
              .add_batch_definition_whole_dataframe(label))
     vd = ctx.validation_definitions.add(gx.ValidationDefinition(name=label, data=batch,
@@ -112,7 +127,8 @@ def validate_table(settings: Settings, table: str, version: int | None = None,
         }
     ordered = {c.name: by_name[c.name] for c in suite.checks}
     return {
-        "table": table, "version": dt.version(), "rows": len(pdf), "suite": suite.path,
+        "table": table, "version": dt.version(), "date": day.isoformat() if day else None,
+        "rows": len(pdf), "suite": suite.path,
         "success": bool(result["success"]), "out_dir": str(out),
         "result_json": str(out / RESULT_FILE), "data_docs": str(out / "index.html"),
         "unexpected_counts": {n: e["unexpected_count"] for n, e in ordered.items()},
@@ -124,7 +140,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     """Human summary: one line per expectation with its unexpected count (or observed value)."""
     exps = summary["expectations"]
     failed = sum(not e["success"] for e in exps.values())
-    lines = [f"{summary['table']}@v{summary['version']} ({summary['rows']} rows), suite "
+    of_day = f" of {summary['date']}" if summary.get("date") else ""
+    lines = [f"{summary['table']}@v{summary['version']} ({summary['rows']} rows{of_day}), suite "
              f"{summary['suite']}: {'OK' if not failed else 'FAILED'} "
              f"({failed}/{len(exps)} expectations failed)"]
     for name, e in exps.items():

@@ -35,6 +35,18 @@ def write(settings: Settings, name: str, rows: dict[str, Any] | pa.Table, mode: 
     write_deltalake(settings.table_path(name), table.cast(SCHEMAS[name]), mode=mode)
 
 
+def write_bronze(settings: Settings, messages: list, first_offset: int = 0) -> None:
+    """Append simulator messages to bronze as the bronze stream would (one Kafka partition,
+    consecutive offsets from ``first_offset``): a lakehouse for the Spark layers without brokers."""
+    now = datetime.now(UTC)
+    n = len(messages)
+    write(settings, "bronze", {
+        "key": [m.topic.split("/")[-2].encode() for m in messages],
+        "value": [m.payload for m in messages], "topic": [settings.kafka.topic] * n,
+        "partition": [0] * n, "offset": list(range(first_offset, first_offset + n)),
+        "timestamp": [now] * n, "headers": [[]] * n, "ingest_time": [now] * n}, mode="append")
+
+
 def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed: int = 0,
                     now: datetime | None = None) -> dict[str, Any]:
     """Write every table for ``devices`` devices reporting every 20 s for ``hours`` hours.

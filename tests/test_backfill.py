@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
@@ -14,8 +16,9 @@ from deltalake import DeltaTable
 from ingest.simulator import generate
 from lakehouse.backfill import backfill, rows_to_do
 from lakehouse.kafka_config import client_config
-from lakehouse.settings import Settings
+from lakehouse.settings import Settings, load_settings
 from lakehouse.streams import CheckpointBusy
+from tests.lakehouse_fixture import write_bronze
 
 START = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -64,11 +67,45 @@ def test_backfill_refuses_while_live_stream_holds_checkpoint(settings: Settings,
             backfill(settings, ["silver"])
         from lakehouse.cli import main
 
-        assert main(["--data-root", settings.data_root, "backfill", "--layer", "silver"]) in (2, 3)
+        assert main(["--data-root", settings.data_root, "backfill", "--layer", "silver"]) == 3
     finally:
         holder.kill()
         holder.wait()
     time.sleep(0.2)
+
+
+def test_backfill_cli_refuses_while_the_live_stream_runs(tmp_path: Path, spark) -> None:
+    """A real live silver stream (this process) holds the checkpoint: ``iotlake backfill`` in
+    another process refuses clearly with exit code 3, before starting Spark, changing nothing."""
+    import silver.stream
+    from lakehouse.pipeline import delta_caught_up
+    from lakehouse.streams import release_checkpoints
+
+    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), stream={"trigger_seconds": 0.5})
+    write_bronze(lake, generate(lake, 200, devices=4, duplicates=5, start=START))
+    live = silver.stream.start(spark, lake)  # trigger "live": runs until stopped
+    try:
+        deadline = time.monotonic() + 120
+        while not delta_caught_up(live, lake.table_path("bronze")):
+            assert live.isActive and time.monotonic() < deadline, live.exception()
+            time.sleep(0.5)
+        before = DeltaTable(lake.table_path("silver")).version(), count(lake, "silver")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+        proc = subprocess.run(
+            [str(Path(sys.executable).with_name("iotlake")), "--data-root", lake.data_root,
+             "backfill", "--layer", "silver"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 3, proc.stderr[-2000:]
+        assert proc.stderr.strip() == (
+            f"iotlake: refused: checkpoint {lake.checkpoint_path('silver')} is in use by another "
+            "running stream (e.g. `iotlake run`); stop that stream first, or let it catch up by "
+            "itself")
+        assert live.isActive
+        assert (DeltaTable(lake.table_path("silver")).version(), count(lake, "silver")) == before
+        assert before[1] == 195
+    finally:
+        live.stop()
+        release_checkpoints()
 
 
 def test_reprocess_as_of_bronze_version_switches_readers_and_is_idempotent(settings: Settings, spark) -> None:

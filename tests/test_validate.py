@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -99,3 +99,24 @@ def test_cli_exit_codes(lake, tmp_path, monkeypatch, capsys):
     assert cli.main([*base, "silver", "--version", "7"]) == 2
     assert "cannot load version 7" in capsys.readouterr().err
     assert cli.main([*base, "silver", "--suite", str(tmp_path / "none.json")]) == 2
+
+
+def test_one_day_of_rows(lake, tmp_path):
+    """``--date``: only rows whose event time falls in that UTC day (what the daily DAG checks)."""
+    path = lake.table_path("silver")
+    next_day = [row(i, event_time=TS + timedelta(hours=2), temperature=200.0) for i in range(30, 33)]
+    write_deltalake(path, pa.Table.from_pylist(next_day, schema=SILVER), mode="append")  # v2
+    summary = validate_table(lake, "silver", day=date(2026, 11, 21), out_dir=tmp_path / "d21")
+    assert (summary["success"], summary["rows"], summary["date"]) == (True, len(VALID), "2026-11-21")
+    summary = validate_table(lake, "silver", day=date(2026, 11, 22), out_dir=tmp_path / "d22")
+    assert (summary["success"], summary["rows"]) == (False, 3)
+    assert summary["unexpected_counts"]["temperature_in_range"] == 3
+    result = json.loads((tmp_path / "d22" / RESULT_FILE).read_text())
+    assert {r["result"].get("element_count") for r in result["results"]} - {None} == {3}
+    # version 0, the 20th: no rows; the CLI takes the day too
+    assert validate_table(lake, "silver", version=0, day=date(2026, 11, 20))["rows"] == 0
+    base = ["--data-root", lake.data_root, "validate", "silver", "--out", str(tmp_path / "c")]
+    assert cli.main([*base, "--date", "2026-11-22"]) == 1
+    with pytest.raises(SystemExit) as e:
+        cli.main([*base, "--date", "yesterday"])
+    assert e.value.code == 2
