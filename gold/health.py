@@ -341,9 +341,13 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     return pos
 
 
+#: The silver columns the health stream reads.
+HEALTH_INPUT = ["device_id", "event_id", "event_time", *METRICS, "status"]
+
+
 def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
     return (
-        silver.select("device_id", "event_id", "event_time", *METRICS, "status")
+        silver.select(*HEALTH_INPUT)
         .withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
         .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(STATE_BUCKETS)))
         .groupBy("bucket")
@@ -403,7 +407,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
                          ("device_current", DEVICE_CURRENT)):
         ensure_table(settings.table_path(name), schema)
     return (
-        health_frame(silver_stream(spark, settings, max_rows), settings).writeStream
+        health_frame(silver_stream(spark, settings, max_rows, columns=HEALTH_INPUT),
+                     settings).writeStream
         .queryName(QUERY).outputMode("append")
         .foreachBatch(HealthBatch(settings, query_id(ckpt)))
         .option("checkpointLocation", ckpt)

@@ -38,6 +38,8 @@ SLIDING_TABLE = "gold_metrics_5m"
 FINAL_TABLE = "gold_metrics_1m_final"
 SLIDING_FINAL_TABLE = "gold_metrics_5m_final"
 KEYS = ["device_id", "metric", "window_start"]
+#: The silver columns the window stream reads.
+WINDOW_INPUT = ["device_id", "event_time", *METRICS]
 
 
 def readings_long(silver: DataFrame) -> DataFrame:
@@ -69,13 +71,26 @@ def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds:
 
 
 def silver_stream(spark: SparkSession, settings: Settings, max_rows: int | None = None,
-                  silver_path: str | None = None) -> DataFrame:
-    return (
+                  silver_path: str | None = None, columns: list[str] | None = None) -> DataFrame:
+    """Silver as a stream; ``columns`` limits what the source reads from Parquet and converts in
+    the JVM (gold needs 5-8 of silver's 12 columns: ~30% less source work per row)."""
+    path = silver_path or settings.table_path("silver")
+    reader = (
         spark.readStream.format("iotlake_delta_stream")
-        .option("path", silver_path or settings.table_path("silver"))
+        .option("path", path)
         .option("max_rows_per_trigger", str(max_rows or settings.stream.max_rows_per_trigger))
-        .load()
     )
+    if columns:
+        from pyspark.sql.types import StructType
+
+        from lakehouse.delta_source import spark_schema
+
+        full = spark_schema(path)
+        missing = set(columns) - set(full.fieldNames())
+        if missing:
+            raise ValueError(f"silver at {path} has no column(s) {sorted(missing)}")
+        reader = reader.schema(StructType([f for f in full.fields if f.name in columns]))
+    return reader.load()
 
 
 class MergeBatch:
@@ -206,7 +221,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     ensure_table(path, METRIC_WINDOWS)
     for name in (SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
         ensure_table(settings.table_path(name), METRIC_WINDOWS)
-    agg = window_aggregates(silver_stream(spark, settings, max_rows), settings.stream.window_seconds,
+    agg = window_aggregates(silver_stream(spark, settings, max_rows, columns=WINDOW_INPUT),
+                            settings.stream.window_seconds,
                             settings.stream.watermark_seconds)
     return (
         agg.writeStream.queryName(TABLE).outputMode("update")
