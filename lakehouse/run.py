@@ -44,26 +44,52 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 @contextlib.contextmanager
 def bridge_thread(settings: Settings, wait_subscribed: float = 30.0) -> Iterator[object]:
+    from prometheus_client import REGISTRY
+
     from ingest.bridge import Bridge
+    from ingest.bridge_metrics import BridgeCollector
 
     bridge = Bridge(settings)
+    # The process-wide registry is what `iotlake run` serves on observability.metrics_port:
+    # bridge and stream series on one endpoint (bridge.metrics_port adds a bridge-only one).
+    collector: BridgeCollector | None = BridgeCollector(bridge.bridge_id, lambda: bridge.stats,
+                                                        bridge.latency)
+    try:
+        REGISTRY.register(collector)
+    except ValueError:  # another in-process bridge already exports these series
+        log.warning("bridge %s: metrics not on the process endpoint (another bridge is)",
+                    bridge.bridge_id)
+        collector = None
     stop = threading.Event()
     t = threading.Thread(target=bridge.run, args=(stop,), name="bridge", daemon=True)
     t.start()
-    if not bridge.subscribed.wait(wait_subscribed):
-        stop.set()
-        raise RuntimeError(f"bridge did not subscribe to MQTT at {settings.mqtt_endpoint} "
-                           f"within {wait_subscribed:.0f}s")
     try:
+        if not bridge.subscribed.wait(wait_subscribed):
+            raise RuntimeError(f"bridge did not subscribe to MQTT at {settings.mqtt_endpoint} "
+                               f"within {wait_subscribed:.0f}s")
         yield bridge
     finally:
         stop.set()
         t.join(30)
+        if collector is not None:
+            REGISTRY.unregister(collector)
+
+
+def release_spark(spark) -> None:
+    """Detach our query listener, then stop the session: with the listener attached the JVM can
+    still deliver ``onQueryTerminated`` to Python while the interpreter finalizes, which ended
+    processes with SIGSEGV after a clean stop. Only for a process that owns its session."""
+    listener = getattr(spark, "_iotlake_metrics", None)
+    if listener is not None:
+        listener.flush()
+        spark.streams.removeListener(listener)
+        spark._iotlake_metrics = None
+    spark.stop()
 
 
 def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: int = 100,
         stop: threading.Event | None = None) -> int:
-    """Run until ``stop`` is set (or a signal arrives)."""
+    """Run until ``stop`` is set (or a signal arrives); stops the Spark session it used."""
     from lakehouse.pipeline import LAYERS, Running, check_alive, start_layers
     from lakehouse.services import embedded_services
 
@@ -86,7 +112,8 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             spark = spark_session(settings, app_name=f"iotlake-{role}")
             from lakehouse.metrics import install
 
-            stack.callback(install(spark, settings).flush)
+            install(spark, settings)
+            stack.callback(release_spark, spark)  # after the queries stopped (callbacks run LIFO)
             running = Running(spark, settings, start_layers(spark, settings, layers))
             stack.callback(running.stop)
         if simulate > 0:
@@ -107,8 +134,9 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
 
 def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | None = None,
          malformed: int | None = None, timeout: float = 600.0, start: datetime | None = None,
-         seed: int = 0) -> dict:
-    """Publish ``events`` simulated messages end to end and account for every one of them."""
+         seed: int = 0, stop_spark: bool = False) -> dict:
+    """Publish ``events`` simulated messages end to end and account for every one of them
+    (``stop_spark``: the caller owns the process, so its session is stopped at the end)."""
     from ingest.simulator import generate, publish
     from lakehouse.pipeline import Running, start_layers
     from lakehouse.services import embedded_services
@@ -131,7 +159,10 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
             running.wait_caught_up(lambda: _rows(bronze_path), published, timeout)
         finally:
             running.stop()
-            metrics.flush()
+            if stop_spark:
+                release_spark(spark)
+            else:
+                metrics.flush()
     q = _quality_totals(settings)
     result = {
         "published": published,
@@ -195,7 +226,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
     result = demo(settings, args.events, args.devices, args.duplicates, args.malformed, args.timeout,
-                  start=args.start, seed=args.seed)
+                  start=args.start, seed=args.seed, stop_spark=True)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -208,9 +211,47 @@ def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
     assert (m.stddev_exp.fillna(-1) - m.stddev.fillna(-1)).abs().max() < 1e-6
 
 
+def _scrape(port: int, seen: dict[str, float], stop: threading.Event) -> None:
+    """Keep the last value of every iotlake series the endpoint serves."""
+    while not stop.is_set():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            pass
+        else:
+            for line in text.decode().splitlines():
+                if line.startswith("iotlake_"):
+                    series, value = line.rsplit(" ", 1)
+                    seen[series] = float(value)
+        stop.wait(0.3)
+
+
 def test_pipeline_metrics_one_row_per_batch(settings: Settings, spark) -> None:
-    """After a demo, pipeline_metrics has one row per micro-batch per query; inputs add up."""
-    demo(settings, events=600, devices=6, duplicates=10, malformed=5, timeout=300)
+    """After a demo, pipeline_metrics has one row per micro-batch per query; inputs add up. While
+    it runs, the process endpoint (what `iotlake run` serves) has bridge and stream series."""
+    from prometheus_client import start_http_server
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    server, thread = start_http_server(port, addr="127.0.0.1")
+    seen: dict[str, float] = {}
+    stop = threading.Event()
+    scraper = threading.Thread(target=_scrape, args=(port, seen, stop), daemon=True)
+    scraper.start()
+    try:
+        demo(settings, events=600, devices=6, duplicates=10, malformed=5, timeout=300)
+    finally:
+        stop.set()
+        scraper.join(10)
+        server.shutdown()
+        server.server_close()
+    bid = settings.mqtt.client_id
+    assert seen.get(f'iotlake_bridge_delivered_total{{bridge_id="{bid}"}}') == 600
+    assert seen.get(f'iotlake_bridge_delivery_latency_seconds_count{{bridge_id="{bid}"}}') == 600
+    assert seen.get('iotlake_stream_input_rows_total{query="bronze"}', 0) > 0
+    assert seen.get('iotlake_stream_input_rows_total{query="silver"}', 0) > 0
+    assert 'iotlake_stream_state_rows{query="gold_health"}' in seen
     pm = rows(settings, "pipeline_metrics")
     assert not pm.duplicated(["query_id", "batch_id"]).any()
     by_query = pm.groupby("query_name")["num_input_rows"].sum()
