@@ -8,7 +8,7 @@ it also stops and restarts Mosquitto (``--mosquitto-outages``) or Tansu (``--tan
 the embedded Tansu keeps messages in memory, so that one is *expected* to lose data, see
 docs/guarantees.md). Then it stops the load, waits for every layer to catch up and checks every
 guarantee (``lakehouse/chaos.py``). Last line: one JSON object with kills, published, lost,
-duplicated, mismatched_windows, seconds, bronze_extra and per-role kill counts.
+duplicated, mismatched_windows, final_windows_bad, seconds, bronze_extra and per-role kill counts.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def main() -> int:
                     help="max seconds to wait for a restarted role to work before killing again")
     ap.add_argument("--mosquitto-outages", type=int, default=2)
     ap.add_argument("--tansu-outages", type=int, default=0)
+    ap.add_argument("--compactions", type=int, default=0,
+                    help="times to compact every table while the streams write")
+    ap.add_argument("--event-time-speedup", type=float, default=1.0,
+                    help="simulated event seconds per wall second (> 1 closes windows sooner)")
     ap.add_argument("--drain-timeout", type=float, default=600.0,
                     help="seconds to wait for every layer to catch up after the load")
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed when ok)")
@@ -51,7 +55,8 @@ def main() -> int:
                       seed=args.seed, interval=tuple(args.interval), downtime=tuple(args.downtime),
                       roles=tuple(args.roles.split(",")), mosquitto_outages=args.mosquitto_outages,
                       tansu_outages=args.tansu_outages, drain_timeout=args.drain_timeout,
-                      partitions=args.partitions, ready_timeout=args.ready_timeout)
+                      partitions=args.partitions, ready_timeout=args.ready_timeout,
+                      event_time_speedup=args.event_time_speedup, compactions=args.compactions)
     result = run_chaos(cfg)
     print(json.dumps(result["detail"]), file=sys.stderr)
     line = {k: v for k, v in result.items() if k != "detail"}

@@ -95,6 +95,9 @@ class Bridge:
         #: Set once the broker confirmed the subscription (messages published before that
         #: are only kept if an earlier session of this bridge id subscribed).
         self.subscribed = threading.Event()
+        #: Set when the broker rejected the credentials (bad user name / password, not
+        #: authorized): retrying cannot help, so a caller waiting for ``subscribed`` can stop.
+        self.credentials_refused = threading.Event()
         self._c = dict.fromkeys(("received", "delivered", "dead_lettered", "failed", "acked",
                                  "reconnects"), 0)
         self._v5 = settings.mqtt.protocol == "5"
@@ -144,6 +147,8 @@ class Bridge:
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("MQTT broker refused the connection: %s", reason_code)
+            if reason_code.value in (134, 135):  # bad user name or password / not authorized
+                self.credentials_refused.set()
             return
         self._connected = True
         self._delay = 0.0

@@ -7,7 +7,8 @@ a JSON file written with ``Settings.save``) and a publisher sending known simula
 (fixed clock start and seed, so every event id is known; some duplicates, some malformed
 payloads) at a steady rate. At seeded-random moments it ``kill -9``s one role's whole process
 group (the Python driver, its JVM and Python workers, as a pod kill would) or every role at
-once ("whole run"), waits, and restarts it; optionally it also stops and restarts the brokers.
+once ("whole run"), waits, and restarts it; optionally it also stops and restarts the brokers
+and compacts every table while the streams write (``compactions``).
 A role that dies by itself is restarted too (a supervisor's job) and counted as a crash.
 
 After the load stops and the pipeline drained, :func:`verify` checks the guarantees:
@@ -19,9 +20,14 @@ After the load stops and the pipeline drained, :func:`verify` checks the guarant
 - every malformed payload is in quarantine (as many times as bronze holds it) with a reason;
 - per silver micro-batch ``rows_in = silver + quarantine + duplicates + late`` and the batches'
   ``rows_in`` add up to the bronze rows;
-- ``gold_metrics_1m`` equals a pandas recomputation from silver;
+- ``gold_metrics_1m`` and ``gold_metrics_5m`` equal a pandas recomputation from silver;
+- ``gold_metrics_1m_final`` / ``gold_metrics_5m_final`` hold each (device_id, metric,
+  window_start) once, each row equal to the merged row of ``gold_metrics_1m`` / ``_5m``, and
+  every merged window ending at or before the latest final ``window_end`` is there;
 - every file the current snapshot of every Delta table references exists;
-- every role is alive at the end and caught up (no stuck stream).
+- every role is alive at the end and caught up (no stuck stream): bronze holds every Kafka
+  record, and silver and gold each committed a batch ending at their upstream's latest version,
+  three polls in a row.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ class ChaosConfig:
     devices: int = 50
     duplicate_fraction: float = 0.02
     malformed_fraction: float = 0.01
+    #: simulated event seconds per wall second: > 1 lets a short run close windows under the
+    #: watermark, so the final-window tables have rows to check
+    event_time_speedup: float = 1.0
     seed: int = 0
     #: role processes; ("bridge", "streams") runs bronze+silver+gold in one Spark process
     roles: tuple[str, ...] = ("bridge", "bronze", "silver", "gold")
@@ -81,6 +90,9 @@ class ChaosConfig:
     ready_timeout: float = 120.0
     mosquitto_outages: int = 0
     tansu_outages: int = 0
+    #: ``iotlake compact`` of every table (in this process, delta-rs) while the streams write,
+    #: placed in the second half of the plan so there are small files to rewrite
+    compactions: int = 0
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
     kafka_port: int = 0  # 0: pick a free port
     mqtt_port: int = 0
@@ -166,13 +178,14 @@ class Role:
                 n += sum(1 for p in d.iterdir() if p.name.isdigit())
         return n
 
-    def ready(self) -> bool:
-        """Working: the bridge subscribed; a stream role committed a batch since it started."""
+    def ready(self, batches: int = 1) -> bool:
+        """Working: the bridge subscribed; a stream role committed ``batches`` batches since it
+        started."""
         if not self.alive:
             return False
         if self.name == "bridge":
             return self.log_file.exists() and "subscribed to" in self.log_file.read_text(errors="replace")
-        return self._commits() > self._commits_at_start
+        return self._commits() >= self._commits_at_start + batches
 
 
 def _wait_group_gone(pgid: int, timeout: float = 20.0) -> None:
@@ -191,9 +204,9 @@ def message_stream(settings: Settings, rate: float, devices: int, seed: int, sta
     """Known simulated telemetry without end, generated a chunk at a time.
 
     Chunk ``i`` is ``ingest.simulator.generate`` with seed ``(seed, i)`` and its clock starting
-    where chunk ``i - 1``'s ended, so event time advances at ``rate`` over the whole run and a
-    duplicate re-sends a reading at most one chunk (``chunk / rate`` s of event time) old: never
-    late under the watermark.
+    where chunk ``i - 1``'s ended, so event time advances ``rate`` messages per event second over
+    the whole run and a duplicate re-sends a reading at most one chunk (``chunk / rate`` s of
+    event time) old: never late while that is well under the watermark.
     """
     from datetime import timedelta
 
@@ -334,26 +347,30 @@ def _table(settings: Settings, name: str, columns: list[str] | None = None):
     return DeltaTable(path).to_pyarrow_table(columns=columns)
 
 
-def gold_expected(silver) -> Any:
-    """gold_metrics_1m recomputed with pandas from silver rows."""
+def gold_expected(silver, size: int = 60, every: int | None = None) -> Any:
+    """Gold windows of ``size`` seconds starting every ``every`` (default: tumbling) seconds,
+    recomputed with pandas from silver rows."""
     import pandas as pd
 
     from lakehouse.tables import METRICS
 
+    every = every or size
     df = silver.select(["device_id", "event_time", *METRICS]).to_pandas()
     if df.empty:
         return pd.DataFrame(columns=["device_id", "metric", "window_start", "count", "mean", "min",
                                      "max", "std", "last"])
-    df["window_start"] = df["event_time"].dt.floor("1min")
+    first = df["event_time"].dt.floor(f"{every}s")  # the latest window start covering a reading
+    df = pd.concat([df.assign(window_start=first - pd.Timedelta(seconds=k * every))
+                    for k in range(size // every)], ignore_index=True)
     long = df.melt(id_vars=["device_id", "window_start", "event_time"], value_vars=list(METRICS),
                    var_name="metric").dropna(subset=["value"]).sort_values("event_time", kind="stable")
     g = long.groupby(["device_id", "metric", "window_start"])["value"]
     return g.agg(["count", "mean", "min", "max", "std", "last"]).reset_index()
 
 
-def mismatched_windows(gold, silver) -> int:
+def mismatched_windows(gold, silver, size: int = 60, every: int | None = None) -> int:
     """Windows present on one side only, or whose count / mean / min / max / stddev / last differ."""
-    exp = gold_expected(silver)
+    exp = gold_expected(silver, size, every)
     got = gold.to_pandas()
     keys = ["device_id", "metric", "window_start"]
     for df in (exp, got):
@@ -369,18 +386,60 @@ def mismatched_windows(gold, silver) -> int:
     return bad + int(wrong.sum())
 
 
-def missing_files(settings: Settings) -> dict[str, int]:
-    """Per Delta table: files its current snapshot references that do not exist."""
+#: Append-only final-window table -> the merged table its rows are copied from.
+FINAL_TABLES = {"gold_metrics_1m_final": "gold_metrics_1m", "gold_metrics_5m_final": "gold_metrics_5m"}
+
+
+def final_window_problems(settings: Settings) -> dict[str, dict[str, int]]:
+    """Per final-window table: keys appended more than once, rows absent from or different to
+    the merged table (exact: a final row is a copy, and a final window never changes again), and
+    merged windows ending at or before the latest final ``window_end`` that never became final."""
+    import pandas as pd
+
+    keys = ["device_id", "metric", "window_start"]
+    out: dict[str, dict[str, int]] = {}
+    for name, merged_name in FINAL_TABLES.items():
+        final, merged = _table(settings, name), _table(settings, merged_name)
+        if final is None or merged is None:
+            out[name] = {"rows": 0, "table_missing": 1}
+            continue
+        f, m = final.to_pandas(), merged.to_pandas()
+        j = f.drop_duplicates(keys).merge(m, on=keys, how="left", suffixes=("", "_merged"),
+                                          indicator=True)
+        both = j[j["_merge"] == "both"]
+        differ = pd.Series(False, index=both.index)
+        for c in (c for c in f.columns if c not in keys):
+            a, b = both[c], both[f"{c}_merged"]
+            differ |= (a != b) & ~(a.isna() & b.isna())
+        never = 0
+        if len(f):
+            due = m[m["window_end"] <= f["window_end"].max()]
+            never = len(due) - len(due.merge(f[keys].drop_duplicates(), on=keys))
+        out[name] = {"rows": len(f), "duplicate_keys": int(f.duplicated(keys).sum()),
+                     "not_in_merged": int((j["_merge"] != "both").sum()),
+                     "differ": int(differ.sum()), "never_final": never}
+    return out
+
+
+def snapshot_files(settings: Settings) -> dict[str, list[Path]]:
+    """Per Delta table under the data root: the local files its current snapshot references."""
+    from urllib.parse import unquote, urlparse
+
     from deltalake import DeltaTable
 
-    out = {}
     tables = settings.root / "tables"
-    for d in sorted(tables.iterdir()) if tables.is_dir() else []:
-        if (d / "_delta_log").is_dir():
-            uris = DeltaTable(str(d)).file_uris()
-            gone = [u for u in uris if not Path(u.removeprefix("file://")).exists()]
-            if gone:
-                out[d.name] = len(gone)
+    return {d.name: [Path(unquote(urlparse(u).path)) for u in DeltaTable(str(d)).file_uris()]
+            for d in (sorted(tables.iterdir()) if tables.is_dir() else [])
+            if (d / "_delta_log").is_dir()}
+
+
+def missing_files(settings: Settings, snapshot: dict[str, list[Path]] | None = None) -> dict[str, int]:
+    """Per Delta table: files its current snapshot references that do not exist."""
+    out = {}
+    for name, files in (snapshot_files(settings) if snapshot is None else snapshot).items():
+        gone = sum(not f.exists() for f in files)
+        if gone:
+            out[name] = gone
     return out
 
 
@@ -438,9 +497,15 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
 
     acct = quality_accounting(settings)
     bronze_rows = bronze.num_rows if bronze is not None else 0
-    gold = _table(settings, "gold_metrics_1m")
-    windows_bad = mismatched_windows(gold, silver) if gold is not None and silver is not None else -1
-    files = missing_files(settings)
+    gold, gold5 = _table(settings, "gold_metrics_1m"), _table(settings, "gold_metrics_5m")
+    g = settings.gold
+    windows_bad = -1
+    if gold is not None and gold5 is not None and silver is not None:
+        windows_bad = (mismatched_windows(gold, silver, settings.stream.window_seconds)
+                       + mismatched_windows(gold5, silver, g.slide_window_seconds, g.slide_every_seconds))
+    finals = final_window_problems(settings)
+    snapshot = snapshot_files(settings)
+    files = missing_files(settings, snapshot)
 
     lost = sum(bronze_missing.values()) + silver_missing + quarantine_missing + quarantine_short
     duplicated = silver_dups + silver_unexpected + bronze_dup_offsets + quarantine_excess + unknown_in_bronze
@@ -453,6 +518,8 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
         "silver_rows": silver.num_rows if silver is not None else 0,
         "quarantine_rows": quarantine.num_rows if quarantine is not None else 0,
         "gold_windows": gold.num_rows if gold is not None else 0,
+        "final_windows": {t: p["rows"] for t, p in finals.items()},
+        "final_windows_bad": sum(n for p in finals.values() for k, n in p.items() if k != "rows"),
         "detail": {
             "bronze_missing": sum(bronze_missing.values()), "bronze_unknown_payloads": unknown_in_bronze,
             "bronze_duplicate_offsets": bronze_dup_offsets, "silver_missing": silver_missing,
@@ -461,7 +528,9 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
             "quarantine_excess": quarantine_excess, "quarantine_without_reason": no_reason,
             "quality_batches": acct["batches"], "quality_bad_batches": acct["bad_batches"],
             "quality_rows_in": acct["rows_in"], "quality_rows_in_matches_bronze": acct["rows_in"] == bronze_rows,
-            "missing_files": files,
+            "final_window_problems": finals,
+            "missing_files": files, "tables_checked": len(snapshot),
+            "files_checked": sum(map(len, snapshot.values())),
         },
         "accounting_ok": acct["bad_batches"] == 0 and acct["rows_in"] == bronze_rows and no_reason == 0,
     }
@@ -503,9 +572,10 @@ class Chaos:
         self.brokers: dict[str, Any] = {}
         self.events: list[dict] = []
         self.outages = Counter()
+        self.compacted: list[int] = []  # files rewritten by each compaction
 
     def _plan(self) -> list[tuple[float, str]]:
-        """(seconds after the previous disruption, victim) for kills and broker outages."""
+        """(seconds after the previous disruption, victim) for kills, broker outages, compactions."""
         cfg, rng = self.cfg, self.rng
         victims = [*cfg.roles, WHOLE_RUN]
         weights = [1.0] * len(cfg.roles) + [cfg.whole_run_weight]
@@ -513,6 +583,8 @@ class Chaos:
         for broker, n in (("mosquitto", cfg.mosquitto_outages), ("tansu", cfg.tansu_outages)):
             for _ in range(n):
                 kinds.insert(rng.randint(1, max(1, len(kinds))), f"broker:{broker}")
+        for _ in range(cfg.compactions):
+            kinds.insert(rng.randint(len(kinds) // 2 + 1, max(1, len(kinds))), "compact")
         return [(rng.uniform(*cfg.interval), k) for k in kinds]
 
     def log(self, msg: str) -> None:
@@ -552,13 +624,29 @@ class Chaos:
             self.supervise()
             time.sleep(min(0.5, max(0.0, end - time.monotonic())))
 
-    def _wait_ready(self, roles: list[Role]) -> None:
+    def _wait_ready(self, roles: list[Role], batches: int = 1) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout
-        while not all(r.ready() for r in roles) and time.monotonic() < deadline:
+        while not all(r.ready(batches) for r in roles) and time.monotonic() < deadline:
             self.supervise()
             time.sleep(0.3)
 
+    def compact(self) -> None:
+        """Compact every table while the stream roles are working (compaction under load), once
+        they committed a few batches since they started: small files to rewrite."""
+        from lakehouse.maintenance import compact
+
+        self._wait_ready([r for r in self.roles.values() if r.name != "bridge"], batches=4)
+        t = time.monotonic()
+        stats = compact(self.settings)
+        files = sum(x.get("files_removed", 0) for x in stats)
+        self.compacted.append(files)
+        self.events.append({"t": self._t(), "compact": files})
+        self.log(f"compacted every table under load: {files} files rewritten in {time.monotonic() - t:.1f}s")
+
     def disrupt(self, victim: str) -> None:
+        if victim == "compact":
+            self.compact()
+            return
         down = self.rng.uniform(*self.cfg.downtime)
         if victim.startswith("broker:"):
             broker = victim.split(":", 1)[1]
@@ -601,8 +689,12 @@ class Chaos:
         t_start = time.monotonic()
         self.t0 = t_start
         s = self.settings
-        source = message_stream(s, cfg.rate, cfg.devices, cfg.seed, cfg.start,
-                                cfg.duplicate_fraction, cfg.malformed_fraction)
+        event_rate = cfg.rate / cfg.event_time_speedup
+        # a duplicate re-sends a reading at most one chunk old: keep a chunk well inside the
+        # watermark, so no copy (nor an MQTT redelivery of one) arrives late
+        chunk = max(100, min(10_000, int(event_rate * s.stream.watermark_seconds / 4)))
+        source = message_stream(s, event_rate, cfg.devices, cfg.seed, cfg.start,
+                                cfg.duplicate_fraction, cfg.malformed_fraction, chunk=chunk)
         publisher = None
         try:
             self.start_broker("tansu")
@@ -647,16 +739,17 @@ class Chaos:
             "kills_by_role": kills,
             "whole_run_kills": sum(1 for e in self.events if e.get("kill") == WHOLE_RUN),
             "broker_outages": dict(self.outages),
+            "compacted_files": self.compacted,
             "crashes": {r.name: r.crashes for r in self.roles.values()},
             "stuck": stuck + [f"{d} dead" for d in dead],
             "clean_exit": {k: v for k, v in rcs.items()},
             "rate": cfg.rate, "partitions": cfg.partitions,
             **{k: result[k] for k in ("bronze_rows", "silver_rows", "quarantine_rows", "gold_windows",
-                                      "accounting_ok")},
+                                      "final_windows", "final_windows_bad", "accounting_ok")},
             "detail": result["detail"],
         }
         out["ok"] = (out["lost"] == 0 and out["duplicated"] == 0 and out["mismatched_windows"] == 0
-                     and not out["stuck"] and out["accounting_ok"]
+                     and out["final_windows_bad"] == 0 and not out["stuck"] and out["accounting_ok"]
                      and not result["detail"]["missing_files"])
         return out
 

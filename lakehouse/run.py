@@ -64,9 +64,12 @@ def bridge_thread(settings: Settings, wait_subscribed: float = 30.0) -> Iterator
     t = threading.Thread(target=bridge.run, args=(stop,), name="bridge", daemon=True)
     t.start()
     try:
-        if not bridge.subscribed.wait(wait_subscribed):
-            raise RuntimeError(f"bridge did not subscribe to MQTT at {settings.mqtt_endpoint} "
-                               f"within {wait_subscribed:.0f}s")
+        deadline = time.monotonic() + wait_subscribed
+        while not bridge.subscribed.wait(0.1):
+            refused = bridge.credentials_refused.is_set()  # no retry can help: fail now
+            if refused or time.monotonic() > deadline:
+                why = "the broker refused its credentials" if refused else f"within {wait_subscribed:.0f}s"
+                raise RuntimeError(f"bridge did not subscribe to MQTT at {settings.mqtt_endpoint}: {why}")
         yield bridge
     finally:
         stop.set()

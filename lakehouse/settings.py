@@ -28,7 +28,7 @@ from lakehouse.storage import is_uri
 
 ENV_PREFIX = "IOTLAKE_"
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
-_NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN"}
+_NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN", "IOTLAKE_EXTENDED_TESTS"}
 DEFAULT_FILE = "iotlake.toml"
 
 

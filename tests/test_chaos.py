@@ -5,37 +5,90 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from ingest.simulator import generate
-from lakehouse.chaos import ChaosConfig, Publisher, free_port, run_chaos
+from lakehouse.chaos import (
+    ChaosConfig,
+    Publisher,
+    final_window_problems,
+    free_port,
+    missing_files,
+    run_chaos,
+    snapshot_files,
+)
+from lakehouse.delta_io import append_arrow, ensure_table
 from lakehouse.run import bridge_thread
 from lakehouse.services import mosquitto_service
-from lakehouse.settings import Settings
+from lakehouse.settings import Settings, load_settings
+from lakehouse.tables import METRIC_WINDOWS
 
 
 @pytest.mark.slow
 def test_chaos_kills_and_mosquitto_outage(tmp_path: Path) -> None:
-    """3 kill -9s (bridge, whole run, bridge) and one Mosquitto stop/start under steady load."""
+    """3 kill -9s (bridge, whole run, bridge), one Mosquitto stop/start and one compaction of every
+    table under steady load.
+
+    Event time runs 20x faster than the clock, so a one-minute run closes windows under the 10 min
+    watermark and the final-window tables are checked with rows in them."""
     cfg = ChaosConfig(root=tmp_path, kills=3, rate=40, devices=10, seed=8, roles=("bridge", "streams"),
                       mosquitto_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=25,
-                      warmup_seconds=3, tail_seconds=3, drain_timeout=300, trigger_seconds=0.5)
+                      warmup_seconds=3, tail_seconds=3, drain_timeout=300, trigger_seconds=0.5,
+                      event_time_speedup=20, compactions=1)
     t0 = time.monotonic()
     r = run_chaos(cfg)
     print("\nchaos:", json.dumps({k: v for k, v in r.items() if k != "detail"}), json.dumps(r["detail"]))
     assert r["kills"] == 3 and r["whole_run_kills"] == 1
     assert r["kills_by_role"] == {"bridge": 3, "streams": 1}  # whole run kills both
     assert r["broker_outages"] == {"mosquitto": 1}
+    assert len(r["compacted_files"]) == 1 and r["compacted_files"][0] > 0  # it rewrote files
     assert r["published"] > 0 and r["bronze_rows"] >= r["published"]
     assert (r["lost"], r["duplicated"], r["mismatched_windows"]) == (0, 0, 0), r["detail"]
     assert r["accounting_ok"] and not r["detail"]["missing_files"], r["detail"]
+    assert r["detail"]["tables_checked"] >= 8 and r["detail"]["files_checked"] > 0, r["detail"]
+    assert r["final_windows_bad"] == 0, r["detail"]["final_window_problems"]
+    assert all(n > 0 for n in r["final_windows"].values()), r["final_windows"]  # not vacuous
     assert r["stuck"] == [], r
     assert r["ok"]
-    # ~2.5 min on an idle 2-core machine; the bound leaves room for a slow Spark start
+    # ~2 min on a 2-core machine shared with other jobs; the bound leaves room for a slow Spark start
     assert time.monotonic() - t0 < 480
+
+
+def _windows(rows: list[tuple[int, float]]) -> pa.Table:
+    """1-minute windows of dev-00001's temperature: (minute, mean) each."""
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    return pa.Table.from_pylist([
+        {"device_id": "dev-00001", "metric": "temperature", "window_start": t0 + timedelta(minutes=m),
+         "window_end": t0 + timedelta(minutes=m + 1), "count": 2, "mean": v, "min": v - 1, "max": v + 1,
+         "stddev": None, "last": v} for m, v in rows], schema=METRIC_WINDOWS)
+
+
+def test_end_of_run_checks_catch_bad_final_windows_and_missing_files(tmp_path: Path) -> None:
+    """The chaos verification is not vacuous: a final window appended twice, one that differs
+    from its merged row, one the merged table lacks, merged windows that never became final
+    and a deleted data file are each reported; a correct copy reports nothing."""
+    s = load_settings(environ={}, data_root=str(tmp_path))
+    merged = [(0, 20.0), (1, 21.0), (2, 22.0), (3, 23.0)]
+    tables = {"gold_metrics_1m": [merged], "gold_metrics_1m_final": [[(0, 20.0), (2, 22.5)], [(0, 20.0), (9, 1.0)]],
+              "gold_metrics_5m": [merged], "gold_metrics_5m_final": [merged[:2]]}
+    for name, batches in tables.items():
+        ensure_table(s.table_path(name), METRIC_WINDOWS)
+        for i, rows in enumerate(batches):
+            append_arrow(s.table_path(name), _windows(rows), "test", i)
+    assert final_window_problems(s) == {
+        "gold_metrics_1m_final": {"rows": 4, "duplicate_keys": 1, "not_in_merged": 1, "differ": 1,
+                                  "never_final": 2},  # minutes 1 and 3 end before minute 9 does
+        "gold_metrics_5m_final": {"rows": 2, "duplicate_keys": 0, "not_in_merged": 0, "differ": 0,
+                                  "never_final": 0}}
+    assert missing_files(s) == {}
+    victim = snapshot_files(s)["gold_metrics_5m"][0]
+    victim.unlink()
+    assert missing_files(s) == {"gold_metrics_5m": 1}
 
 
 def _kafka_ids(settings: Settings, expect: int, timeout: float = 60.0) -> list[str]:

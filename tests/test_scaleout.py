@@ -1,6 +1,9 @@
 """Scale-out by configuration only: a standalone Spark cluster, one process per role, S3 storage.
 
-Pipelines run in child processes (the test session may already own a local SparkSession).
+Pipelines run in child processes (the test session may already own a local SparkSession). Each
+test is the short version on tiny data; IOTLAKE_EXTENDED_TESTS=1 runs the long one (the same
+demo on local[2] for a table-by-table comparison, a kill -9 of gold too, every layer resuming in
+the second S3 process).
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ from lakehouse.settings import Settings
 
 START = "2026-05-01T00:00:00Z"
 CLI = [sys.executable, "-m", "lakehouse.cli"]
+EXTENDED = bool(os.environ.get("IOTLAKE_EXTENDED_TESTS"))
 #: Columns that differ between two runs of the same data: arrival time and Kafka coordinates.
 RUN_SPECIFIC = {"ingest_time", "quarantined_at", "kafka_topic", "kafka_partition", "kafka_offset"}
+
+
+def _child_env() -> dict[str, str]:
+    """The environment for CLI children: without IOTLAKE_* overrides, so only --config counts."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
 
 
 def _variant(settings: Settings, tmp_path: Path, name: str, **spark) -> Settings:
@@ -49,38 +58,54 @@ def _table(s: Settings, name: str, sort: list[str]) -> pd.DataFrame:
     return df.sort_values(sort, kind="stable").reset_index(drop=True)
 
 
+DEMO = {"events": 600, "devices": 6, "duplicates": 15, "malformed": 6, "seed": 3}
+
+
 def _demo(s: Settings, tmp_path: Path, name: str) -> dict:
     cfg = s.save(tmp_path / f"{name}.json")
     with open(tmp_path / f"{name}.log", "w") as err:
         proc = subprocess.run(
-            [*CLI, "--config", str(cfg), "demo", "--events", "600", "--devices", "6",
-             "--duplicates", "15", "--malformed", "6", "--start", START, "--seed", "3",
-             "--timeout", "400"],
-            stdout=subprocess.PIPE, stderr=err, text=True, timeout=600)
+            [*CLI, "--config", str(cfg), "demo", *(a for k, v in DEMO.items() for a in (f"--{k}", str(v))),
+             "--start", START, "--timeout", "400"],
+            stdout=subprocess.PIPE, stderr=err, text=True, timeout=600, env=_child_env())
     tail = (tmp_path / f"{name}.log").read_text()[-3000:]
     assert proc.returncode == 0, f"{name} demo failed ({proc.returncode}):\n{tail}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_standalone_cluster_matches_local(settings: Settings, tmp_path: Path) -> None:
-    """The same demo on local[2] and on 1 master + 2 one-core workers: identical tables."""
-    local = _variant(settings, tmp_path, "local", master="local[2]")
-    local_result = _demo(local, tmp_path, "local")
+def test_standalone_cluster_exact(settings: Settings, tmp_path: Path) -> None:
+    """The demo on 1 master + 2 one-core workers: every layer exact against what was published
+    (long version: also run on local[2], and the two runs' tables identical)."""
+    from test_pipeline import assert_gold_matches
+
     with StandaloneCluster(workers=2, cores=1, memory="1g", work_dir=tmp_path / "cluster") as c:
         remote = _variant(settings, tmp_path, "cluster", master=c.master_url,
                           conf=cluster_conf("512m", cores_max=2))
         remote_result = _demo(remote, tmp_path, "cluster")
         executor_logs = sorted((tmp_path / "cluster").glob("worker-*/app-*/*/stderr"))
         shipped = {p.parts[-4] for p in (tmp_path / "cluster").glob("worker-*/app-*/*/iotlake-*.zip")}
-    for r in (local_result, remote_result):
-        assert r["ok"] and r["published"] == r["bronze_rows"] == 600
-        assert r["duplicates_dropped"] == 15 and r["quarantine_rows"] == 6
-    assert {k: v for k, v in local_result.items() if k != "seconds"} == \
-        {k: v for k, v in remote_result.items() if k != "seconds"}
     # both workers ran tasks, and the driver shipped iotlake's packages to both
     ran = {p.parts[-4] for p in executor_logs if "Finished task" in p.read_text(errors="replace")}
     assert ran == shipped == {"worker-0", "worker-1"}, (executor_logs, shipped)
+    r = remote_result
+    assert r["ok"] and r["published"] == r["bronze_rows"] == 600
+    assert r["duplicates_dropped"] == 15 and r["quarantine_rows"] == 6
+    msgs = generate(remote, **DEMO, start=pd.Timestamp(START).to_pydatetime())
+    bronze = DeltaTable(remote.table_path("bronze")).to_pandas()
+    assert sorted(bronze["value"]) == sorted(m.payload for m in msgs)
+    assert not bronze.duplicated(["partition", "offset"]).any()
+    silver = _table(remote, "silver", ["event_id"])
+    assert list(silver["event_id"]) == sorted({m.event_id for m in msgs if m.kind == "valid"})
+    assert sorted(_table(remote, "quarantine", ["value"])["value"]) == \
+        sorted(m.payload for m in msgs if m.kind == "malformed")
+    assert_gold_matches(remote, msgs)
+    if not EXTENDED:
+        return
 
+    local = _variant(settings, tmp_path, "local", master="local[2]")
+    local_result = _demo(local, tmp_path, "local")
+    assert {k: v for k, v in local_result.items() if k != "seconds"} == \
+        {k: v for k, v in remote_result.items() if k != "seconds"}
     pd.testing.assert_frame_equal(_table(local, "silver", ["event_id"]),
                                   _table(remote, "silver", ["event_id"]), check_exact=True)
     pd.testing.assert_frame_equal(_table(local, "quarantine", ["value"]),
@@ -107,11 +132,19 @@ def _count(s: Settings, table: str) -> int:
     return DeltaTable(p).to_pyarrow_dataset().count_rows() if Path(p, "_delta_log").is_dir() else 0
 
 
-def _wait(pred, timeout: float, what: str, procs: dict) -> None:
+#: Spark's own failures seen on the loaded 2-core machine, not the pipeline's: a Python worker
+#: slower to start than Spark's fixed 10 s, and (once, a gold role starting its two queries) a
+#: task that failed to deserialize. A supervisor restarts such a role (its checkpoints make that
+#: safe); so does the roles test, at most twice, and prints it.
+SPARK_FLAKES = ("Python worker failed to connect back", "java.io.OptionalDataException")
+
+
+def _wait(pred, timeout: float, what: str, procs: dict, restart=None) -> None:
+    """Poll ``pred``; a role that exited fails the wait unless ``restart(role)`` restarted it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for role, (p, log_file) in procs.items():
-            if p.poll() is not None:
+        for role, (p, log_file) in list(procs.items()):
+            if p.poll() is not None and not (restart and restart(role)):
                 raise AssertionError(f"role {role} exited {p.returncode}:\n{log_file.read_text()[-3000:]}")
         if pred():
             return
@@ -128,18 +161,35 @@ def _matches(check, *args) -> bool:
 
 
 def test_roles_in_separate_processes_survive_kill_9(settings: Settings, tmp_path: Path) -> None:
-    """bronze, silver and gold as three processes; silver and gold are killed -9 and restarted."""
+    """bronze, silver and gold as three processes; silver is killed -9 mid-stream and restarted
+    (long version: gold too)."""
     from test_pipeline import assert_gold_matches
 
     s = _variant(settings, tmp_path, "roles", master="local[1]", shuffle_partitions=2)
     cfg = s.save(tmp_path / "roles.json")
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    log_from: dict[str, int] = {}
+    restarts: list[str] = []
 
     def start(role: str) -> None:
         log_file = tmp_path / f"role-{role}.log"
+        log_from[role] = log_file.stat().st_size if log_file.exists() else 0
         with open(log_file, "a") as out:
             procs[role] = (subprocess.Popen([*CLI, "--config", str(cfg), "run", "--role", role],
-                                            stdout=out, stderr=subprocess.STDOUT), log_file)
+                                            stdout=out, stderr=subprocess.STDOUT, env=_child_env()),
+                            log_file)
+
+    def restart(role: str) -> bool:
+        """A supervisor's restart, only after one of Spark's own flakes (at most two)."""
+        log = procs[role][1].read_bytes()[log_from[role]:].decode(errors="replace")
+        if len(restarts) >= 2 or not any(f in log for f in SPARK_FLAKES):
+            return False
+        restarts.append(role)
+        start(role)
+        return True
+
+    def wait(pred, timeout: float, what: str) -> None:
+        _wait(pred, timeout, what, procs, restart)
 
     def kill9(role: str) -> None:
         p, _ = procs.pop(role)
@@ -163,21 +213,24 @@ def test_roles_in_separate_processes_survive_kill_9(settings: Settings, tmp_path
     try:
         start("bronze")
         _produce(s, msgs[:300])
-        _wait(lambda: _count(s, "bronze") == 300, 240, "bronze 300", procs)
+        wait(lambda: _count(s, "bronze") == 300, 240, "bronze 300")
         start("silver")
-        _wait(lambda: _count(s, "silver") + _count(s, "quarantine") > 0, 240, "silver rows", procs)
+        wait(lambda: _count(s, "silver") + _count(s, "quarantine") > 0, 240, "silver rows")
         kill9("silver")  # mid-stream: a batch may be half committed
         _produce(s, msgs[300:600])
-        _wait(lambda: _count(s, "bronze") == 600, 120, "bronze 600 while silver is down", procs)
+        wait(lambda: _count(s, "bronze") == 600, 120, "bronze 600 while silver is down")
         start("silver")
-        _wait(lambda: layer_done(600), 240, "silver to catch up after kill -9", procs)
+        wait(lambda: layer_done(600), 240, "silver to catch up after kill -9")
         start("gold")
-        _wait(lambda: _count(s, "gold_metrics_1m") > 0, 240, "gold rows", procs)
-        kill9("gold")
+        if EXTENDED:
+            wait(lambda: _count(s, "gold_metrics_1m") > 0, 240, "gold rows")
+            kill9("gold")
         _produce(s, msgs[600:])
-        _wait(lambda: layer_done(900), 240, "silver 900", procs)
-        start("gold")
-        _wait(lambda: _matches(assert_gold_matches, s, msgs), 240, "gold to catch up", procs)
+        wait(lambda: layer_done(900), 240, "silver 900")
+        if EXTENDED:
+            start("gold")
+        wait(lambda: _count(s, "gold_metrics_1m") > 0 and _matches(assert_gold_matches, s, msgs), 240,
+              "gold to catch up")
         time.sleep(3)  # a duplicate write would show up now
     finally:
         for role in list(procs):
@@ -195,6 +248,7 @@ def test_roles_in_separate_processes_survive_kill_9(settings: Settings, tmp_path
     assert_gold_matches(s, msgs)
     devices = DeltaTable(s.table_path("device_current")).to_pandas()
     assert sorted(devices["device_id"]) == [f"dev-{i:05d}" for i in range(1, 7)]
+    print(f"\nroles: restarted after a Spark flake: {restarts or 'none'}")
 
 
 def test_kafka_split_records_is_wired(settings: Settings) -> None:
@@ -297,7 +351,7 @@ def _s3_config(settings: Settings, tmp_path: Path, endpoint: str, key_id: str, s
 def _backfill(cfg: Path, *layers: str) -> subprocess.CompletedProcess:
     args = [a for layer in layers for a in ("--layer", layer)]
     return subprocess.run([*CLI, "--config", str(cfg), "backfill", *args], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=_child_env())
 
 
 def test_s3_tables_backfill_restart_time_travel_and_bad_credentials(
@@ -328,11 +382,13 @@ def test_s3_tables_backfill_restart_time_travel_and_bad_credentials(
     msgs = generate(s, 900, devices=5, duplicates=20, malformed=10,
                     start=pd.Timestamp(START).to_pydatetime())
     produce(s, msgs[:500])
-    first = _backfill(cfg, "bronze", "silver", "gold")
+    # short version: the first process runs bronze only (a second Spark start for all layers costs
+    # ~30 s); the long one runs every layer twice, so silver and gold resume on S3 too
+    first = _backfill(cfg, *(("bronze", "silver", "gold") if EXTENDED else ("bronze",)))
     assert first.returncode == 0, first.stderr[-3000:]
     assert json.loads(first.stdout.strip().splitlines()[-1])["bronze"] == 500
-    silver_v1, silver_rows_v1 = DeltaTable(s.table_path("silver"), storage_options=opts).version(), count("silver")
-    assert count("bronze") == 500 and silver_rows_v1 > 0
+    bronze_v1 = DeltaTable(s.table_path("bronze"), storage_options=opts).version()
+    assert count("bronze") == 500
 
     produce(s, msgs[500:])  # a new process resumes from the checkpoints: exactly the rest
     second = _backfill(cfg, "bronze", "silver", "gold")
@@ -340,7 +396,7 @@ def test_s3_tables_backfill_restart_time_travel_and_bad_credentials(
     assert json.loads(second.stdout.strip().splitlines()[-1])["bronze"] == 400
     assert count("bronze") == 900 and count("silver") == 900 - 30 and count("quarantine") == 10
     assert_gold_matches(s, msgs)
-    assert count("silver", version=silver_v1) == silver_rows_v1  # time travel on S3
+    assert count("bronze", version=bronze_v1) == 500  # time travel on S3
     for out in (first, second):
         assert secret not in out.stdout + out.stderr and key_id not in out.stdout + out.stderr
     assert not (tmp_path / "state" / "tables").exists()  # tables went to S3, state stayed local
