@@ -58,6 +58,7 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "run"], env=env,
                              stdout=open(root / "run.log", "w"), stderr=subprocess.STDOUT)
     sim: subprocess.Popen | None = None
+    sample_from = time.time()
     published: dict[str, float] = {}
     silver_seen: dict[str, float] = {}
     current_seen: dict[str, float] = {}
@@ -69,6 +70,7 @@ def main() -> None:
                                 "--devices", str(args.devices)], env=env,
                                stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
         time.sleep(args.warmup)
+        sample_from = time.time()
         watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
         watcher.start()
         _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
@@ -95,7 +97,34 @@ def main() -> None:
         "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
         "trigger_seconds": args.trigger_seconds, "load": os.getloadavg()[0],
     }
+    for name, parts in _batch_profile(settings, sample_from).items():
+        print(f"# {name}: {json.dumps(parts)}")
     print(json.dumps(result))
+
+
+def _batch_profile(settings, since: float) -> dict[str, dict]:
+    """Median rows and duration parts (ms) per query over the sampled period, from
+    ``pipeline_metrics``: where a reading's time goes."""
+    from deltalake import DeltaTable
+
+    path = settings.table_path("pipeline_metrics")
+    if not Path(path, "_delta_log").exists():
+        return {}
+    t = DeltaTable(path).to_pyarrow_table(
+        columns=["query_name", "timestamp", "num_input_rows", "duration_ms"]).to_pylist()
+    out: dict[str, dict] = {}
+    for name in sorted({r["query_name"] for r in t}):
+        rows = [r for r in t if r["query_name"] == name and r["timestamp"].timestamp() >= since]
+        if not rows:
+            continue
+        parts: dict[str, list[float]] = {}
+        for r in rows:
+            for k, v in json.loads(r["duration_ms"]).items():
+                parts.setdefault(k, []).append(v)
+        out[name] = {"batches": len(rows),
+                     "rows_p50": float(np.median([r["num_input_rows"] for r in rows])),
+                     **{k: float(np.median(v)) for k, v in sorted(parts.items())}}
+    return out
 
 
 def _wait(pred, timeout: float, what: str) -> None:

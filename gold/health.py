@@ -412,6 +412,6 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
         .queryName(QUERY).outputMode("append")
         .foreachBatch(HealthBatch(settings, query_id(ckpt)))
         .option("checkpointLocation", ckpt)
-        .trigger(**trigger_kwargs(settings, trigger))
+        .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
         .start()
     )

@@ -228,6 +228,6 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
         agg.writeStream.queryName(TABLE).outputMode("update")
         .foreachBatch(MergeBatch(settings, query_id(ckpt), ckpt))
         .option("checkpointLocation", ckpt)
-        .trigger(**trigger_kwargs(settings, trigger))
+        .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
         .start()
     )

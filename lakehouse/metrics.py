@@ -79,6 +79,33 @@ def progress_row(p: dict) -> dict:
     }
 
 
+class _JsonEvents:
+    """The JVM side's view of :class:`MetricsListener`: takes each progress event as its JSON.
+
+    PySpark's own bridge first rebuilds every event as Python objects, field by field over
+    Py4J (hundreds of round trips per event, several events per second per query): one call
+    for the JSON is all the listener needs.
+    """
+
+    def __init__(self, listener: MetricsListener) -> None:
+        self.listener = listener
+
+    def onQueryStarted(self, jevent) -> None:
+        pass
+
+    def onQueryProgress(self, jevent) -> None:
+        self.listener.record(jevent.progress().json())
+
+    def onQueryIdle(self, jevent) -> None:
+        pass
+
+    def onQueryTerminated(self, jevent) -> None:
+        self.listener.flush()
+
+    class Java:
+        implements = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
+
+
 class MetricsListener(StreamingQueryListener):
     """Records progress to ``pipeline_metrics`` (flushed every ``flush_seconds``) and Prometheus."""
 
@@ -93,9 +120,22 @@ class MetricsListener(StreamingQueryListener):
     def onQueryStarted(self, event) -> None:
         pass
 
+    @property
+    def _jlistener(self):
+        """Registered with the JVM by ``spark.streams.addListener``: the JSON-only bridge."""
+        if not hasattr(self, "_jlistenerobj"):
+            from pyspark import SparkContext
+
+            self._jlistenerobj = SparkContext._jvm.PythonStreamingQueryListenerWrapper(_JsonEvents(self))
+        return self._jlistenerobj
+
     def onQueryProgress(self, event) -> None:
+        self.record(event.progress.json)
+
+    def record(self, progress_json: str) -> None:
+        """One progress event (its JSON) into the buffer and the Prometheus series."""
         try:
-            row = progress_row(json.loads(event.progress.json))
+            row = progress_row(json.loads(progress_json))
         except Exception:  # noqa: BLE001 - metrics must never break a stream
             log.exception("could not read a progress event")
             return

@@ -108,6 +108,9 @@ class SparkSettings(_Section):
 
 class StreamSettings(_Section):
     trigger_seconds: float = Field(1.0, ge=0)
+    # Gold's two stateful queries cost the most per batch; a longer interval leaves the cores to
+    # bronze and silver (lower silver latency) at the price of fresher status. <0: trigger_seconds.
+    gold_trigger_seconds: float = Field(-1.0)
     max_offsets_per_trigger: int = Field(200_000, ge=1)
     # >0: split a Kafka partition's range per batch into Spark tasks of this many records
     # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.

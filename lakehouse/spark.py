@@ -46,7 +46,10 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
     )
-    for k, v in settings.spark.conf.items():
+    conf = dict(settings.spark.conf)
+    if is_local(settings.spark.master):
+        conf = _with_local_fs_shim(conf)
+    for k, v in conf.items():
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
@@ -54,6 +57,24 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         ship_packages(spark)
     register_sources(spark)
     return spark
+
+
+def _with_local_fs_shim(conf: dict[str, str]) -> dict[str, str]:
+    """Add the fork-free local file system (``lakehouse.jvm``) unless settings chose another."""
+    from pathlib import Path
+
+    import pyspark
+
+    from lakehouse.jvm import HADOOP_CONF, shim_jar
+
+    if any(k in conf for k in HADOOP_CONF):
+        return conf
+    jar = shim_jar(Path(pyspark.__file__).parent / "jars")
+    if jar is None:
+        return conf
+    cp = conf.get("spark.driver.extraClassPath")
+    return {**HADOOP_CONF, **conf,
+            "spark.driver.extraClassPath": f"{cp}{os.pathsep}{jar}" if cp else str(jar)}
 
 
 def register_sources(spark: SparkSession) -> None:

@@ -65,15 +65,19 @@ def query_id(checkpoint: str) -> str:
     return qid
 
 
-def trigger_kwargs(settings: Settings, mode: str = "live") -> dict:
-    """``live``: processingTime from settings; ``available_now`` / ``once`` for batch catch-up."""
+def trigger_kwargs(settings: Settings, mode: str = "live", layer: str = "") -> dict:
+    """``live``: processingTime from settings (gold's own interval for ``layer="gold"``);
+    ``available_now`` / ``once`` for batch catch-up."""
     if mode == "available_now":
         return {"availableNow": True}
     if mode == "once":
         return {"once": True}
     if mode != "live":
         raise ValueError(f"unknown trigger mode {mode!r}: use live, available_now or once")
-    return {"processingTime": f"{int(settings.stream.trigger_seconds * 1000)} milliseconds"}
+    seconds = settings.stream.trigger_seconds
+    if layer == "gold" and settings.stream.gold_trigger_seconds >= 0:
+        seconds = settings.stream.gold_trigger_seconds
+    return {"processingTime": f"{int(seconds * 1000)} milliseconds"}
 
 
 def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:

@@ -1,0 +1,97 @@
+"""Per-micro-batch cost of each Delta-sourced layer: the floor under end-to-end latency.
+
+Latency is a few batch durations, and at live rates a batch holds a few thousand rows, so what
+matters is the fixed cost of a batch, not throughput. Builds a bronze table (the silver bench's
+generator), then runs silver, gold windows and gold health one at a time over it with
+``available_now`` in small batches (``--batch-rows``), on an otherwise idle Spark session (the JVM
+warmed on a separate table first). Prints, per layer, the median batch's duration and its parts
+(ms) and the CPU seconds per batch of the whole process tree (driver, JVM, Python workers).
+Last line: one JSON object ``{layer: {"batch_ms": .., "cpu_ms_per_batch": .., ...}}``.
+
+    .venv/bin/python bench/batch_overhead.py [--rows 40000] [--batch-rows 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from silver_throughput import build_bronze, tree_cpu  # bench/ is on sys.path
+
+import gold.health
+import gold.windows
+import silver.stream
+from lakehouse.settings import Settings, load_settings
+from lakehouse.spark import spark_session
+
+
+def settings_for(root: Path, name: str, batch_rows: int, conf: dict[str, str]) -> Settings:
+    return load_settings(environ={}, data_root=str(root / name),
+                         stream={"max_rows_per_trigger": batch_rows},
+                         spark={"conf": conf})
+
+
+def layer_runs(spark, s: Settings, bronze: str) -> dict[str, object]:
+    """Each layer's query over the previous one's table, in pipeline order."""
+    return {
+        "silver": lambda: silver.stream.start(spark, s, trigger="available_now", bronze_path=bronze),
+        "gold_windows": lambda: gold.windows.start(spark, s, trigger="available_now"),
+        "gold_health": lambda: gold.health.start(spark, s, trigger="available_now"),
+    }
+
+
+def measure(spark, start) -> dict:
+    pid = spark._jvm.java.lang.ProcessHandle.current().pid()
+    cpu0 = tree_cpu(pid) + time.process_time()
+    q = start()
+    q.awaitTermination()
+    cpu = tree_cpu(pid) + time.process_time() - cpu0
+    batches = [p for p in q.recentProgress if p["numInputRows"] > 0][1:]  # first pays set-up
+    parts: dict[str, list[int]] = {}
+    for p in batches:
+        for k, v in p["durationMs"].items():
+            parts.setdefault(k, []).append(v)
+    return {"batches": len(q.recentProgress), "rows_p50": statistics.median(p["numInputRows"] for p in batches),
+            "batch_ms": statistics.median(parts["triggerExecution"]),
+            "cpu_ms_per_batch": round(1000 * cpu / len(q.recentProgress)),
+            "parts_ms": {k: statistics.median(v) for k, v in sorted(parts.items())
+                         if k != "triggerExecution" and statistics.median(v) >= 1}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=40_000)
+    ap.add_argument("--batch-rows", type=int, default=4_000)
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--layers", default="silver,gold_windows,gold_health")
+    args = ap.parse_args()
+    conf = dict(c.split("=", 1) for c in args.conf)
+    root = Path(tempfile.mkdtemp(prefix="iotlake-overhead-"))
+    try:
+        spark = None
+        results = {}
+        for run in ("warm", "measured"):
+            s = settings_for(root, run, args.batch_rows, conf)
+            bronze = s.table_path("bronze")
+            build_bronze(bronze, args.rows, args.rows // args.batch_rows)
+            spark = spark or spark_session(s, app_name="iotlake-batch-overhead")
+            for layer, start in layer_runs(spark, s, bronze).items():
+                if layer not in args.layers.split(","):
+                    continue
+                r = measure(spark, start)
+                if run == "measured":
+                    results[layer] = r
+                    print(f"# {layer}: {json.dumps(r)}", flush=True)
+        spark.stop()
+        print(json.dumps(results))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
