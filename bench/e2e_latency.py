@@ -44,12 +44,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=30, help="seconds before sampling starts")
     ap.add_argument("--probe-rate", type=float, default=5, help="probe readings per second")
     ap.add_argument("--trigger-seconds", type=float, default=0.5)
+    ap.add_argument("--gold-trigger-seconds", type=float, default=-1,
+                    help="gold's trigger interval (<0: --trigger-seconds)")
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
     settings = load_settings(environ={}, data_root=str(root / "lake"),
                              kafka={"embedded_port": 19492}, mqtt={"embedded_port": 11983},
-                             stream={"trigger_seconds": args.trigger_seconds},
+                             stream={"trigger_seconds": args.trigger_seconds,
+                                     "gold_trigger_seconds": args.gold_trigger_seconds},
                              observability={"metrics_port": 0})
     cfg = settings.save(root / "settings.json")
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
@@ -95,7 +98,8 @@ def main() -> None:
         "silver_p99_s": round(float(np.percentile(lat_s, 99)), 3) if lat_s.size else None,
         "current_p50_s": round(float(np.percentile(lat_c, 50)), 3) if lat_c.size else None,
         "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
-        "trigger_seconds": args.trigger_seconds, "load": os.getloadavg()[0],
+        "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
+        "load": os.getloadavg()[0],
     }
     for name, parts in _batch_profile(settings, sample_from).items():
         print(f"# {name}: {json.dumps(parts)}")

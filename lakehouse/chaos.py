@@ -188,6 +188,13 @@ class Role:
         return self._commits() >= self._commits_at_start + batches
 
 
+def _data_files(table: str) -> int:
+    """Files in the table's current version (0 before it exists)."""
+    from lakehouse.delta_io import open_table, table_exists
+
+    return len(open_table(table).file_uris()) if table_exists(table) else 0
+
+
 def _wait_group_gone(pgid: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -636,6 +643,13 @@ class Chaos:
         from lakehouse.maintenance import compact
 
         self._wait_ready([r for r in self.roles.values() if r.name != "bridge"], batches=4)
+        # ready() counts commits of all of a role's queries (no-data batches too): also wait for
+        # bronze to hold more than one data file, or there may be nothing to rewrite yet
+        bronze = self.settings.table_path("bronze")
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        while time.monotonic() < deadline and _data_files(bronze) < 2:
+            self.supervise()
+            time.sleep(0.3)
         t = time.monotonic()
         stats = compact(self.settings)
         files = sum(x.get("files_removed", 0) for x in stats)

@@ -8,6 +8,7 @@ import importlib
 import logging
 import sys
 
+from lakehouse import storage
 from lakehouse.settings import SettingsError, load_settings
 from lakehouse.streams import CheckpointBusy
 
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"iotlake: {e}", file=sys.stderr)
         return 2
+    # Every command (query, compact, dashboard...) reads s3:// tables with the configured
+    # credentials, not only those that start Spark.
+    storage.configure(settings)
     try:
         return int(args.func(args, settings) or 0)
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ reported high watermark does not move). Against a real Kafka this probe is a no-
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from pyspark.sql.types import (
     StructType,
     TimestampType,
 )
+
+log = logging.getLogger(__name__)
 
 KAFKA_SCHEMA = StructType(
     [
@@ -115,6 +118,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._consumer = None
         self._end_cache: dict[int, tuple[int, int]] = {}  # partition -> (reported high, true end)
         self._target: dict[str, int] | None = None
+        self._lows: dict[str, int] = {}  # partition -> log start offset at the last probe
+        self.fail_on_data_loss = options.get("fail_on_data_loss", "true").lower() != "false"
 
     # -- driver side ----------------------------------------------------------------------
     def _probe_consumer(self):
@@ -141,6 +146,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         probes, ends = [], {}
         for p in self._partitions():
             lo, hi = c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
+            self._lows[str(p)] = lo
             cached = self._end_cache.get(p)
             if hi <= lo:
                 ends[p] = hi
@@ -185,10 +191,36 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         latest = self._target if self._target is not None else self._true_ends()
+        self._check_data_loss(start, latest)
         end = {p: max(latest.get(p, 0), start.get(p, 0)) for p in set(latest) | set(start)}
+        if not self.fail_on_data_loss:  # the topic was recreated: resume at its new end
+            end.update({p: latest[p] for p in start if p in latest and latest[p] < start[p]})
         if isinstance(limit, ReadMaxRows):
             end = cap_offsets(start, end, limit.max_rows)
         return end
+
+    def _check_data_loss(self, start: dict, latest: dict) -> None:
+        """Fail (like Spark's own Kafka source, ``failOnDataLoss``) when records the checkpoint
+        has not read yet can no longer be read: offsets went backwards (topic deleted and
+        recreated, broker storage lost), a partition vanished, or retention deleted them."""
+        problems = []
+        for p, s in sorted(start.items(), key=lambda kv: int(kv[0])):
+            if p not in latest:
+                problems.append(f"partition {p} is gone (checkpoint at offset {s})")
+            elif latest[p] < s:
+                problems.append(f"partition {p} ends at {latest[p]}, before the checkpoint's {s}")
+            elif self._lows.get(p, 0) > s:
+                problems.append(f"partition {p} starts at {self._lows[p]}: offsets {s}.."
+                                f"{self._lows[p] - 1} were deleted unread (retention)")
+        if not problems:
+            return
+        msg = (f"iotlake_kafka: data loss on topic {self.topic!r}: " + "; ".join(problems)
+               + ". Records bronze never read cannot be recovered from Kafka. To accept the loss "
+               "and go on from what the topic holds now, set stream.kafka_fail_on_data_loss = "
+               "false (IOTLAKE_STREAM__KAFKA_FAIL_ON_DATA_LOSS=false) and restart.")
+        if self.fail_on_data_loss:
+            raise RuntimeError(msg)
+        log.warning("%s Going on (kafka_fail_on_data_loss = false).", msg)
 
     def reportLatestOffset(self) -> dict | None:
         return self._true_ends()
@@ -199,6 +231,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         out: list[InputPartition] = []
         for p in sorted(end, key=int):
             s, e = start.get(p, 0), end[p]
+            if not self.fail_on_data_loss:
+                s = max(s, self._lows.get(p, 0))  # skip what retention deleted
             n = -(-(e - s) // self.split) if self.split else 1
             out += [KafkaRange(self.topic, int(p), s + (e - s) * i // n, s + (e - s) * (i + 1) // n)
                     for i in range(n) if e > s]

@@ -61,7 +61,16 @@ def bridge_thread(settings: Settings, wait_subscribed: float = 30.0) -> Iterator
                     bridge.bridge_id)
         collector = None
     stop = threading.Event()
-    t = threading.Thread(target=bridge.run, args=(stop,), name="bridge", daemon=True)
+
+    def target() -> None:
+        try:
+            bridge.run(stop)
+        except BaseException as e:  # noqa: BLE001 - reported by check_bridge in the run loop
+            bridge.failure = e
+            log.exception("bridge stopped")
+
+    t = threading.Thread(target=target, name="bridge", daemon=True)
+    bridge.failure, bridge.thread, bridge.stop_requested = None, t, stop
     t.start()
     try:
         deadline = time.monotonic() + wait_subscribed
@@ -76,6 +85,14 @@ def bridge_thread(settings: Settings, wait_subscribed: float = 30.0) -> Iterator
         t.join(30)
         if collector is not None:
             REGISTRY.unregister(collector)
+
+
+def check_bridge(bridge) -> None:
+    """Fail the run when its bridge thread died: a pipeline without its front door looks
+    healthy (the streams idle) while devices' messages pile up in the MQTT broker."""
+    if not bridge.thread.is_alive() and not bridge.stop_requested.is_set():
+        why = f": {bridge.failure!r}" if bridge.failure is not None else ""
+        raise RuntimeError(f"bridge {bridge.bridge_id} stopped{why}")
 
 
 def release_spark(spark) -> None:
@@ -105,8 +122,9 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             from lakehouse.metrics import serve
 
             serve(settings.observability.metrics_port, settings.observability.metrics_bind)
+        bridge = None
         if role in ("all", "bridge"):
-            stack.enter_context(bridge_thread(settings))
+            bridge = stack.enter_context(bridge_thread(settings))
         running = None
         layers = LAYERS if role in ("all", "streams") else (role,) if role in LAYERS else ()
         if layers:
@@ -131,6 +149,8 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
         while not stop.wait(1.0):
             if running:
                 check_alive(running.queries)
+            if bridge is not None:
+                check_bridge(bridge)
     log.info("iotlake stopped")
     return 0
 

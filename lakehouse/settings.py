@@ -103,6 +103,8 @@ class SparkSettings(_Section):
     shuffle_partitions: int = Field(4, ge=1)
     driver_memory: str = "2g"
     ui_enabled: bool = False
+    # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)
+    local_fs_shim: bool = True
     conf: dict[str, str] = Field(default_factory=dict)
 
 
@@ -115,6 +117,9 @@ class StreamSettings(_Section):
     # >0: split a Kafka partition's range per batch into Spark tasks of this many records
     # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.
     kafka_split_records: int = Field(0, ge=0)
+    # Unread records gone from Kafka (topic recreated, retention, lost broker storage): fail the
+    # bronze stream (default) or log it and go on from what the topic holds.
+    kafka_fail_on_data_loss: bool = True
     max_rows_per_trigger: int = Field(500_000, ge=1)
     watermark_seconds: int = Field(600, ge=0)
     window_seconds: int = Field(60, ge=1)

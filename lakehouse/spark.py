@@ -47,7 +47,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
     )
     conf = dict(settings.spark.conf)
-    if is_local(settings.spark.master):
+    if is_local(settings.spark.master) and settings.spark.local_fs_shim:
         conf = _with_local_fs_shim(conf)
     for k, v in conf.items():
         b = b.config(k, v)

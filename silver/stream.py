@@ -22,10 +22,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
+from lakehouse import storage
 from lakehouse.delta_io import append_arrow, ensure_table
 from lakehouse.delta_source import commit_adds
 from lakehouse.settings import Settings
@@ -213,11 +215,15 @@ class SilverBatchWriter:
 
     def _late_rows(self, versions: list[int], watermark_ms: int) -> pa.Table:
         """Re-read this batch's bronze files; keyed rows at or below the watermark were dropped."""
-        files = [str(Path(self.bronze_path, p)) for v in versions for p, _ in commit_adds(self.bronze_path, v)]
+        files = [storage.join(self.bronze_path, p) for v in versions for p, _ in commit_adds(self.bronze_path, v)]
         if not files:
             return QUARANTINE.empty_table()
+        # Read on the driver with pyarrow (local or s3://: Spark has no S3 file system here)
+        opts = storage.options_for(self.bronze_path) or None
+        rows = pa.concat_tables([pq.read_table(key, filesystem=fs) for fs, key in
+                                 (storage.filesystem(f, opts) for f in files)])
         wm = F.timestamp_micros(F.lit(watermark_ms * 1000))
-        late = (validated(self.spark.read.parquet(*files))
+        late = (validated(self.spark.createDataFrame(rows))
                 .where(F.col("dedup_time").isNotNull() & (F.col("dedup_time") <= wm))
                 .withColumn("reasons", F.lit("late")))
         return self._quarantine(late.toArrow(), datetime.now(UTC))

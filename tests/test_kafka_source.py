@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from deltalake import DeltaTable
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
@@ -105,6 +106,29 @@ def test_available_now_target_is_fixed_at_start(settings: Settings) -> None:
         assert reader.reportLatestOffset() == {"0": 30, "1": 30}
     finally:
         reader.stop()
+
+
+def test_offsets_behind_the_checkpoint_fail_as_data_loss(settings: Settings) -> None:
+    """A checkpoint ahead of the topic (topic recreated, broker storage lost) or naming a
+    partition the topic lacks fails with a message that says what happened and how to go on;
+    with kafka_fail_on_data_loss = false the stream resumes at the topic's current end."""
+    produce(settings, 0, 10)
+    reader = KafkaStreamReader(options(settings))
+    try:
+        now = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        ahead = {**now, "0": now["0"] + 1000}
+        with pytest.raises(RuntimeError, match=r"data loss.*partition 0 ends at .*before the "
+                                               r"checkpoint's .*kafka_fail_on_data_loss"):
+            reader.latestOffset(ahead, ReadAllAvailable())
+        with pytest.raises(RuntimeError, match="partition 99 is gone"):
+            reader.latestOffset({**now, "99": 5}, ReadAllAvailable())
+    finally:
+        reader.stop()
+    lenient = KafkaStreamReader(options(settings, fail_on_data_loss="false"))
+    try:
+        assert lenient.latestOffset(ahead, ReadAllAvailable())["0"] == now["0"]
+    finally:
+        lenient.stop()
 
 
 def test_bronze_small_batches_exactly_once_then_resume(settings: Settings, spark) -> None:

@@ -20,7 +20,7 @@ from deltalake import DeltaTable
 
 from ingest.simulator import generate, publish
 from lakehouse.pipeline import Running, start_layers
-from lakehouse.run import bridge_thread, demo
+from lakehouse.run import bridge_thread, check_bridge, demo
 from lakehouse.settings import Settings
 from lakehouse.tables import METRICS
 
@@ -105,6 +105,19 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def _count(settings: Settings, table: str) -> int:
     p = Path(settings.table_path(table))
     return DeltaTable(str(p)).to_pyarrow_dataset().count_rows() if (p / "_delta_log").exists() else 0
+
+
+def test_run_notices_a_dead_bridge(settings: Settings) -> None:
+    """A fatal producer error ends the bridge thread; `iotlake run`'s loop must fail on it
+    rather than idle with healthy-looking streams while messages pile up in MQTT."""
+    from confluent_kafka import KafkaError
+
+    with bridge_thread(settings) as bridge:
+        check_bridge(bridge)  # alive: nothing raised
+        bridge._fatal = KafkaError(KafkaError._FATAL, "injected fatal producer error", fatal=True)
+        _wait_for(lambda: not bridge.thread.is_alive(), 30, "the bridge thread to end")
+        with pytest.raises(RuntimeError, match="stopped: .*injected fatal producer error"):
+            check_bridge(bridge)
 
 
 def test_restart_streams_graceful_and_hard_kill(settings: Settings, spark) -> None:

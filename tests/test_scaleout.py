@@ -402,6 +402,14 @@ def test_s3_tables_backfill_restart_time_travel_and_bad_credentials(
     assert not (tmp_path / "state" / "tables").exists()  # tables went to S3, state stayed local
     assert (tmp_path / "state" / "checkpoints" / "silver" / "commits").is_dir()
 
+    # a command that starts no Spark reads S3 with the settings' credentials alone (no AWS_* env)
+    env = {k: v for k, v in _child_env().items() if not k.startswith("AWS_")}
+    q = subprocess.run([*CLI, "--config", str(cfg), "query", "--format", "json",
+                        "SELECT count(*) AS n FROM silver"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert json.loads(q.stdout)[0]["n"] == 900 - 30
+
     # two writers racing for the same table version: S3 conditional writes keep both commits
     storage.configure(s, export=False)
     path = s.table_path("race")
