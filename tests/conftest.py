@@ -79,8 +79,7 @@ def spark(base_dir: Path):
     from lakehouse.spark import spark_session
 
     s = load_settings(environ={}, data_root=str(base_dir / "spark"),
-                      spark={"master": "local[2]", "shuffle_partitions": 2,
-})
+                      spark={"master": "local[2]", "shuffle_partitions": 2})
     session = spark_session(s, app_name="iotlake-tests")
     yield session
     session.stop()
