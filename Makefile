@@ -38,12 +38,12 @@ system-deps:
 	command -v java >/dev/null 2>&1 || missing="$$missing openjdk-17-jre-headless"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
 test-deps:              ## headless Chromium for the dashboard's browser test
 	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || { \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium fonts-liberation; }
 
 bench: install          ## all benchmarks but the 25-min chaos run (each prints a last JSON line)
 	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done

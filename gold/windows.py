@@ -28,7 +28,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, merge_arrow, open_table
+from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, latest_table, merge_arrow
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS, TS
@@ -136,12 +136,13 @@ class MergeBatch:
 
 def last_window_end_ms(path: str) -> int | None:
     """Latest window_end in a table, from its log's file statistics (no data file is read)."""
-    adds = pa.table(open_table(path).get_add_actions(flatten=True))
-    if not adds.num_rows:
-        return None
-    ends = adds.column("max.window_end")
-    if ends.null_count:  # a file without stats: read the column
-        ends = open_table(path).to_pyarrow_table(columns=["window_end"]).column("window_end")
+    with latest_table(path) as dt:
+        adds = pa.table(dt.get_add_actions(flatten=True))
+        if not adds.num_rows:
+            return None
+        ends = adds.column("max.window_end")
+        if ends.null_count:  # a file without stats: read the column
+            ends = dt.to_pyarrow_table(columns=["window_end"]).column("window_end")
     top = pc.max(ends).cast(pa.int64()).as_py()
     return None if top is None else top // 1000
 
@@ -156,7 +157,8 @@ def windows_ending(path: str, after_ms: int | None, upto_ms: int) -> pa.Table:
     flt = ds.field("window_end") <= ts(upto_ms)
     if after_ms is not None:
         flt &= ds.field("window_end") > ts(after_ms)
-    rows = open_table(path).to_pyarrow_dataset().to_table(filter=flt)
+    with latest_table(path) as dt:
+        rows = dt.to_pyarrow_dataset().to_table(filter=flt)
     return rows.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS).sort_by(
         [("window_start", "ascending"), ("device_id", "ascending"), ("metric", "ascending")])
 
@@ -168,17 +170,17 @@ def _epoch_s(ts: pd.Series) -> pd.Series:
 def sliding_windows(tumbling_path: str, changed: pa.Table, base: int, size: int, every: int) -> pa.Table:
     """Recompute the sliding windows that contain any changed tumbling window."""
     import pyarrow.dataset as ds
-    from deltalake import DeltaTable
 
     if size % base or every % base:
         raise ValueError(f"sliding window {size}s/{every}s must be multiples of the {base}s window")
     ch = changed.select(["device_id", "metric", "window_start"]).to_pandas()
     lo = ch["window_start"].min() - pd.Timedelta(seconds=size)
     hi = ch["window_start"].max() + pd.Timedelta(seconds=size)
-    dset = DeltaTable(tumbling_path).to_pyarrow_dataset()
     flt = ((ds.field("window_start") >= pa.scalar(lo.to_pydatetime(), pa.timestamp("us", tz="UTC")))
            & (ds.field("window_start") < pa.scalar(hi.to_pydatetime(), pa.timestamp("us", tz="UTC"))))
-    t = dset.to_table(filter=flt)  # (a device_id isin filter trips delta-rs' string_view stats)
+    with latest_table(tumbling_path) as dt:
+        # (a device_id isin filter trips delta-rs' string_view stats)
+        t = dt.to_pyarrow_dataset().to_table(filter=flt)
     t = t.filter(pc.is_in(t.column("device_id"), pa.array(ch["device_id"].unique()))).to_pandas()
     if t.empty:
         return METRIC_WINDOWS.empty_table()

@@ -11,7 +11,6 @@ simply stops while ``bridge.max_inflight`` messages are unacknowledged (backpres
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import select
 import signal
@@ -38,19 +37,32 @@ log = logging.getLogger(__name__)
 #: Dead-lettered payloads are cut to this size only if they could not fit in a Kafka message.
 DLQ_MAX_VALUE = 900 * 1024
 RECEIVE_MAXIMUM_CAP = 65_535  # MQTT v5 Receive Maximum is 16-bit
+_QOS = tuple(("qos", b"%d" % q) for q in range(3))
+_RETAIN = (("retain", b"0"), ("retain", b"1"))
 
 
 class _Entry:
-    """One received MQTT message until Kafka confirmed it and its ack went out."""
+    """One received MQTT message until Kafka confirmed it and its ack went out; it is also its
+    own delivery callback (no closure to build per message)."""
 
-    __slots__ = ("mid", "qos", "gen", "t0", "done", "topic", "payload", "headers", "dlq")
+    __slots__ = ("bridge", "mid", "qos", "gen", "t0", "done", "topic", "payload", "headers", "dlq")
 
-    def __init__(self, mid: int, qos: int, gen: int, t0: float, topic: str, payload: bytes,
-                 headers: list[tuple[str, bytes]]) -> None:
-        self.mid, self.qos, self.gen, self.t0 = mid, qos, gen, t0
+    def __init__(self, bridge: Bridge, mid: int, qos: int, gen: int, t0: float, topic: str,
+                 payload: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self.bridge, self.mid, self.qos, self.gen, self.t0 = bridge, mid, qos, gen, t0
         self.topic, self.payload, self.headers = topic, payload, headers
         self.done = False
         self.dlq = False
+
+    def __call__(self, err: KafkaError | None, msg: Any) -> None:
+        b = self.bridge
+        if err is not None or b._closing:
+            b._on_delivery(self, err, msg)
+            return
+        self.done = True  # the common case inline: one Python call per delivery report
+        b._c["dead_lettered" if self.dlq else "delivered"] += 1
+        b.latency.observe(time.monotonic() - self.t0)
+        b._ack_due = True  # acked in one write after this poll round (_poll)
 
 
 def device_index(topic_filter: str) -> int | None:
@@ -72,7 +84,9 @@ class Bridge:
                 "(python -m ingest.bridge --bridge-id NAME-i, or `iotlake bridge --instances K`)")
         self.settings = settings
         self.bridge_id = bridge_id or settings.mqtt.client_id
-        self._bid = self.bridge_id.encode()
+        self._bid_header = ("bridge_id", self.bridge_id.encode())
+        self._topics: dict[bytes, tuple[str, str | None, bytes | None, tuple]] = {}
+        self._stamp()
         self._max = b.max_inflight
         self._max_payload = b.max_payload_bytes
         self._topic_map = dict(b.topic_map)
@@ -181,33 +195,41 @@ class Bridge:
 
     def _on_message(self, client, userdata, msg: mqtt.MQTTMessage) -> None:
         """paho's path (packets the fast path leaves to it, QoS 0/2)."""
+        self._stamp()
         self._handle(msg._topic, msg.mid, msg.qos, msg.retain, msg.payload)
 
     def _on_publish_fast(self, topic_raw: bytes, mid: int, retain: int, payload: bytes) -> None:
-        """BufferedClient's path for QoS-1 PUBLISH packets."""
+        """BufferedClient's path for QoS-1 PUBLISH packets (stamped once per socket read)."""
         self._handle(topic_raw, mid, 1, retain, payload)
 
-    def _handle(self, topic_raw: bytes, mid: int, qos: int, retain: int, payload: bytes) -> None:
-        c = self._c
-        c["received"] += 1
+    def _stamp(self) -> None:
+        """Receive time of what the next handled messages arrived with (one socket read)."""
+        self._rx_t0 = time.monotonic()
+        self._rx_at = ("received_at", b"%d" % (time.time_ns() // 1_000_000))
+
+    def _topic_info(self, topic_raw: bytes) -> tuple[str, str | None, bytes | None, tuple]:
+        """(topic, Kafka topic or None, key, mqtt_topic header) of an MQTT topic, cached."""
+        if len(self._topics) > 65_536:
+            self._topics.clear()
         # invalid UTF-8 (brokers should reject it) must not crash the bridge
         topic = topic_raw.decode("utf-8", "replace")
-        headers = [
-            ("mqtt_topic", topic_raw),
-            ("qos", b"%d" % qos),
-            ("retain", b"1" if retain else b"0"),
-            ("received_at", b"%d" % (time.time_ns() // 1_000_000)),
-            ("bridge_id", self._bid),
-        ]
-        e = _Entry(mid, qos, self._gen, time.monotonic(), topic, payload, headers)
+        info = (topic, self._route(topic), self._key(topic), ("mqtt_topic", topic_raw))
+        self._topics[topic_raw] = info
+        return info
+
+    def _handle(self, topic_raw: bytes, mid: int, qos: int, retain: int, payload: bytes) -> None:
+        self._c["received"] += 1
+        info = self._topics.get(topic_raw) or self._topic_info(topic_raw)
+        headers = [info[3], _QOS[qos], _RETAIN[1 if retain else 0], self._rx_at, self._bid_header]
+        e = _Entry(self, mid, qos, self._gen, self._rx_t0, info[0], payload, headers)
         self._pending.append(e)
-        target = self._route(topic)
+        target = info[1]
         if target is None:
             self._dead_letter(e, "unmapped_topic")
         elif len(payload) > self._max_payload:
             self._dead_letter(e, "payload_too_large")
         else:
-            self._produce(e, target, self._key(topic), payload, headers)
+            self._produce(e, target, info[2], payload, headers)
 
     # ---- routing -------------------------------------------------------------------------
     def _route(self, topic: str) -> str | None:
@@ -234,10 +256,9 @@ class Bridge:
     # ---- Kafka ---------------------------------------------------------------------------
     def _produce(self, e: _Entry, topic: str, key: bytes | None, value: bytes,
                  headers: list[tuple[str, bytes]]) -> None:
-        cb = functools.partial(self._on_delivery, e)
         while True:
             try:
-                self._producer.produce(topic, value, key, headers=headers, on_delivery=cb)
+                self._producer.produce(topic, value, key, headers=headers, on_delivery=e)
                 return
             except BufferError:  # local queue full: serve callbacks, then retry
                 self._poll(0.05)
@@ -378,6 +399,7 @@ class Bridge:
         while (readable or buffered) and rc == mqtt.MQTT_ERR_SUCCESS and n < 1000 \
                 and len(self._pending) < self._max and client.socket() is not None:
             before = c["received"]
+            self._stamp()
             rc = client.loop_read()  # one packet by paho (refills the read buffer) ...
             # ... then every complete QoS-1 PUBLISH behind it without paho's per-packet cost
             client.drain_publishes(self._on_publish_fast, self._max - len(self._pending))

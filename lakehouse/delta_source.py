@@ -57,7 +57,17 @@ def commit_adds(table_path: str, version: int,
     return adds
 
 
-def latest_version(table_path: str, storage_options: dict[str, str] | None = None) -> int:
+def latest_version(table_path: str, storage_options: dict[str, str] | None = None,
+                   known: int | None = None) -> int:
+    """The table's latest version. ``known``, a version known to exist, lets a local table be
+    probed forward from there instead of listing a log that grows by every commit."""
+    if known is not None and known >= 0 and not storage.is_uri(table_path):
+        log_dir = Path(table_path, "_delta_log")
+        if log_dir.joinpath(f"{known:020d}.json").exists():
+            v = known
+            while log_dir.joinpath(f"{v + 1:020d}.json").exists():
+                v += 1
+            return v
     if storage.is_uri(table_path):
         names = storage.list_names(storage.join(table_path, "_delta_log"), storage_options)
         return max((int(n[:20]) for n in names if n.endswith(".json") and n[:20].isdigit()), default=-1)
@@ -104,7 +114,8 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._latest()
 
     def _latest(self) -> int:
-        v = latest_version(self.path, self.storage_options)
+        v = latest_version(self.path, self.storage_options, getattr(self, "_known", None))
+        self._known = v
         return v if self.ending is None else min(v, self.ending)
 
     def _rows_in(self, version: int) -> int:

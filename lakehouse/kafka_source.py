@@ -160,7 +160,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             pending = {p for p, _, _ in probes}
             deadline = time.monotonic() + 10
             while pending and time.monotonic() < deadline:
-                for m in c.consume(10_000, 0.1):
+                # short waits: consume(n, t) returns early only with n records, and the probe
+                # needs just one record and an EOF per partition (0.1 s here was 0.1 s a batch)
+                for m in c.consume(10_000, 0.005):
                     err = m.error()
                     if err is None:
                         ends[m.partition()] = max(ends[m.partition()], m.offset() + 1)

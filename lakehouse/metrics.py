@@ -171,16 +171,17 @@ class MetricsListener(StreamingQueryListener):
         data = pa.Table.from_pylist([{k: r.get(k) for k in PIPELINE_METRICS.names} for r in latest.values()],
                                     schema=PIPELINE_METRICS)
         try:
-            from deltalake import DeltaTable
+            from lakehouse.delta_io import _retry_conflicts, latest_table
 
-            from lakehouse.delta_io import _retry_conflicts
+            def merge() -> None:
+                with latest_table(self.path) as dt:
+                    (dt.merge(data, "t.query_id = s.query_id AND t.batch_id = s.batch_id",
+                              source_alias="s", target_alias="t")
+                     .when_matched_update_all().when_not_matched_insert_all().execute())
 
             # Roles in separate processes (``run --role``) MERGE into this table concurrently:
             # a commit conflict is retried (the MERGE is keyed, so a retry is idempotent).
-            _retry_conflicts(lambda: (
-                DeltaTable(self.path).merge(data, "t.query_id = s.query_id AND t.batch_id = s.batch_id",
-                                            source_alias="s", target_alias="t")
-                .when_matched_update_all().when_not_matched_insert_all().execute()))
+            _retry_conflicts(merge)
         except Exception:  # noqa: BLE001
             log.exception("could not write pipeline_metrics; %d rows dropped", len(rows))
 
