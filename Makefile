@@ -19,7 +19,7 @@ demo: install           ## bounded run: publish events, wait for gold, print acc
 	$(BIN)/iotlake demo --events 5000 --devices 20
 
 test: install test-deps ## the whole test suite (real brokers, real Spark, real Delta files)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: install
 	$(BIN)/ruff check .

@@ -46,14 +46,17 @@ def main() -> None:
     ap.add_argument("--trigger-seconds", type=float, default=0.5)
     ap.add_argument("--gold-trigger-seconds", type=float, default=-1,
                     help="gold's trigger interval (<0: --trigger-seconds)")
+    ap.add_argument("--shuffle-partitions", type=int, default=0,
+                    help="spark.shuffle_partitions (state store partitions; 0: the setting's default)")
     args = ap.parse_args()
+    spark_opts = {"shuffle_partitions": args.shuffle_partitions} if args.shuffle_partitions else {}
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
     settings = load_settings(environ={}, data_root=str(root / "lake"),
                              kafka={"embedded_port": 19492}, mqtt={"embedded_port": 11983},
                              stream={"trigger_seconds": args.trigger_seconds,
                                      "gold_trigger_seconds": args.gold_trigger_seconds},
-                             observability={"metrics_port": 0})
+                             observability={"metrics_port": 0}, spark=spark_opts)
     cfg = settings.save(root / "settings.json")
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
     # The devices are a separate process, as real ones are: a simulator thread inside `iotlake run`
@@ -99,6 +102,7 @@ def main() -> None:
         "current_p50_s": round(float(np.percentile(lat_c, 50)), 3) if lat_c.size else None,
         "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
+        "shuffle_partitions": settings.spark.shuffle_partitions,
         "load": os.getloadavg()[0],
     }
     for name, parts in _batch_profile(settings, sample_from).items():

@@ -84,7 +84,8 @@ class Bridge:
                 "(python -m ingest.bridge --bridge-id NAME-i, or `iotlake bridge --instances K`)")
         self.settings = settings
         self.bridge_id = bridge_id or settings.mqtt.client_id
-        self._bid_header = ("bridge_id", self.bridge_id.encode())
+        self._bid = self.bridge_id.encode()
+        self._bid_header = ("bridge_id", self._bid)
         self._topics: dict[bytes, tuple[str, str | None, bytes | None, tuple]] = {}
         self._stamp()
         self._max = b.max_inflight

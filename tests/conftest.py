@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+_main = sys.modules["__main__"]
+if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
+    # pytest-xdist workers run under execnet, whose bare __main__ makes pyspark.sql.connect take
+    # the process for a doctest run and sys.exit(0) when imported (Great Expectations imports it).
+    _main.__file__ = "<pytest-xdist worker>"
 
 from lakehouse.services import embedded_services
 from lakehouse.settings import Settings, load_settings
@@ -16,9 +23,11 @@ from lakehouse.settings import Settings, load_settings
 # versions by default; `IOTLAKE_EXTENDED_TESTS=1 make test` runs the long ones (test_scaleout.py
 # says what they add; the long chaos run is bench/chaos.py).
 
-# Test ports differ from `make run`'s defaults so tests and a running demo can coexist.
-TEST_KAFKA_PORT = int(os.environ.get("IOTLAKE_TEST_KAFKA_PORT", "29092"))
-TEST_MQTT_PORT = int(os.environ.get("IOTLAKE_TEST_MQTT_PORT", "21883"))
+# Test ports differ from `make run`'s defaults so tests and a running demo can coexist. Under
+# pytest-xdist (`make test` runs two workers) each worker has its own brokers, 100 ports apart.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+TEST_KAFKA_PORT = int(os.environ.get("IOTLAKE_TEST_KAFKA_PORT", "29092")) + 100 * _WORKER
+TEST_MQTT_PORT = int(os.environ.get("IOTLAKE_TEST_MQTT_PORT", "21883")) + 100 * _WORKER
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +92,17 @@ def spark(base_dir: Path):
     session = spark_session(s, app_name="iotlake-tests")
     yield session
     session.stop()
+
+
+# Longest files first (seconds on the 2-core machine): with two xdist workers taking whole
+# files, a long file started last would leave one worker idle while the other finishes it.
+_LONG_FILES = ("test_scaleout.py", "test_dags.py", "test_pipeline.py", "test_chaos.py",
+               "test_backfill.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    def weight(item) -> int:
+        name = item.path.name
+        return _LONG_FILES.index(name) if name in _LONG_FILES else len(_LONG_FILES)
+
+    items.sort(key=weight)  # stable: order within a file is kept
