@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lakehouse.delta_source import commit_adds, latest_version  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
+from lakehouse.spark import shuffle_partitions  # noqa: E402
 
 PROBE = "dev-99999"
 
@@ -102,7 +103,7 @@ def main() -> None:
         "current_p50_s": round(float(np.percentile(lat_c, 50)), 3) if lat_c.size else None,
         "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
-        "shuffle_partitions": settings.spark.shuffle_partitions,
+        "shuffle_partitions": shuffle_partitions(settings),
         "load": os.getloadavg()[0],
     }
     for name, parts in _batch_profile(settings, sample_from).items():

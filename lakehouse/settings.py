@@ -100,7 +100,10 @@ class BridgeSettings(_Section):
 
 class SparkSettings(_Section):
     master: str = "local[*]"
-    shuffle_partitions: int = Field(4, ge=1)
+    # state partitions of the stateful queries, fixed in a checkpoint at its first start;
+    # 0 = auto: the cores of a local master (at least 2; each partition costs every stateful
+    # batch a task and a RocksDB commit), 4 on a cluster
+    shuffle_partitions: int = Field(0, ge=0)
     driver_memory: str = "2g"
     ui_enabled: bool = False
     # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)

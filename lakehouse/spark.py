@@ -28,7 +28,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         SparkSession.builder.appName(app_name)
         .master(settings.spark.master)
         .config("spark.driver.memory", settings.spark.driver_memory)
-        .config("spark.sql.shuffle.partitions", str(settings.spark.shuffle_partitions))
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions(settings)))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.enabled", str(settings.spark.ui_enabled).lower())
         .config("spark.sql.streaming.stateStore.providerClass",
@@ -57,6 +57,23 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         ship_packages(spark)
     register_sources(spark)
     return spark
+
+
+def shuffle_partitions(settings: Settings) -> int:
+    """``spark.shuffle_partitions``, or for 0 (auto) the local master's cores (at least 2) and 4
+    on a cluster. A query keeps the value its checkpoint started with."""
+    n = settings.spark.shuffle_partitions
+    if n:
+        return n
+    master = settings.spark.master
+    if not is_local(master):
+        return 4
+    inside = master[len("local"):].strip("[]").split(",")[0]
+    if inside in ("", "*"):
+        cores = os.cpu_count() or 2
+    else:
+        cores = int(inside) if inside.isdigit() else 2
+    return max(2, cores)
 
 
 def _with_local_fs_shim(conf: dict[str, str]) -> dict[str, str]:

@@ -65,3 +65,17 @@ def test_taken_port_gives_clear_error(tmp_path: Path) -> None:
         port = sock.getsockname()[1]
         with pytest.raises(ServiceError, match=rf"port {port} is already in use"):
             tansu_service(s, port=port).start()
+
+
+def test_shuffle_partitions_auto_follows_the_local_cores() -> None:
+    import os
+
+    from lakehouse.spark import shuffle_partitions
+
+    def auto(master: str) -> int:
+        return shuffle_partitions(load_settings(environ={}, spark={"master": master}))
+
+    assert auto("local[3]") == 3 and auto("local[1]") == 2 and auto("local[4,2]") == 4
+    assert auto("local[*]") == max(2, os.cpu_count() or 2)
+    assert auto("spark://master:7077") == 4
+    assert shuffle_partitions(load_settings(environ={}, spark={"shuffle_partitions": 7})) == 7
