@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from lakehouse.services import embedded_services
+from lakehouse.settings import Settings, load_settings
+
 _main = sys.modules["__main__"]
 if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
     # pytest-xdist workers run under execnet, whose bare __main__ makes pyspark.sql.connect take
     # the process for a doctest run and sys.exit(0) when imported (Great Expectations imports it).
     _main.__file__ = "<pytest-xdist worker>"
-
-from lakehouse.services import embedded_services
-from lakehouse.settings import Settings, load_settings
 
 # The reliability (chaos, fuzz, security) and scale-out (cluster, S3) suites run in their short
 # versions by default; `IOTLAKE_EXTENDED_TESTS=1 make test` runs the long ones (test_scaleout.py
