@@ -282,10 +282,11 @@ def read_range(options: dict[str, str], r: KafkaRange, batch_rows: int = 50_000,
     """Read offsets [start, end) of one partition and yield Arrow batches of about batch_rows."""
     if r.end <= r.start:
         return
-    from confluent_kafka import TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
 
-    c = _reader_consumer(options)
-    ok = False
+    # A consumer per task, closed after it: one kept idle per Python worker was tried and
+    # dropped (it keeps reconnecting, and logging, while the broker is down; gain unmeasurable)
+    c = Consumer(_client_conf(options) | _READER_CONF)
     try:
         c.assign([TopicPartition(r.topic, r.partition, r.start)])
         cols = _Columns()
@@ -306,32 +307,7 @@ def read_range(options: dict[str, str], r: KafkaRange, batch_rows: int = 50_000,
                 cols = _Columns()
         if cols.rows:
             yield cols.batch(r)
-        ok = True
     finally:
-        _release_consumer(options, c, ok)
-
-
-# One reader consumer per Python worker process, reused by its tasks (Spark reuses Python
-# workers): a new consumer per task cost a client start, a broker connection and a metadata
-# round trip for every partition of every micro-batch. ``assign`` moves it to the next range.
-_idle_consumers: dict[str, Any] = {}
-
-
-def _reader_consumer(options: dict[str, str]):
-    from confluent_kafka import Consumer
-
-    conf = _client_conf(options) | _READER_CONF
-    return _idle_consumers.pop(json.dumps(conf, sort_keys=True), None) or Consumer(conf)
-
-
-def _release_consumer(options: dict[str, str], c, reusable: bool) -> None:
-    """Keep a consumer whose range was read to the end; close one that failed or was abandoned
-    (Spark stopped iterating early) rather than reuse it in an unknown state."""
-    key = json.dumps(_client_conf(options) | _READER_CONF, sort_keys=True)
-    if reusable and key not in _idle_consumers:
-        c.unassign()
-        _idle_consumers[key] = c
-    else:
         c.close()
 
 
