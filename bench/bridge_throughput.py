@@ -300,6 +300,8 @@ def main() -> int:
     p.add_argument("--warmup-seconds", type=float, default=2.0)
     p.add_argument("--kafka-port", type=int, default=int(os.environ.get("BENCH_KAFKA_PORT", 39192)))
     p.add_argument("--mqtt-port", type=int, default=int(os.environ.get("BENCH_MQTT_PORT", 31983)))
+    p.add_argument("--only", choices=("capacity", "latency"),
+                   help="run one half (for tuning); the JSON then has zeros for the other")
     args = p.parse_args()
     for tool in ("mosquitto_sub", "kcat"):
         if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":")):
@@ -316,15 +318,19 @@ def main() -> int:
                                                 "kafka": {**base.kafka.model_dump(), "bootstrap": base.kafka_bootstrap},
                                                 "mqtt": {**base.mqtt.model_dump(), "host": "127.0.0.1",
                                                          "port": args.mqtt_port}})
-            cap_b = capacity("bridge", variant(base, "capb"), args.messages, work, rdk)
-            cap_b3 = capacity("bridge", variant(base, "capb3", "3.1.1"), args.messages, work, rdk)
-            cap_k = capacity("baseline", variant(base, "capk"), args.messages, work, rdk)
-            lat_b = latency("bridge", variant(base, "latb"), args.rate, args.latency_seconds,
-                            args.warmup_seconds, work, rdk)
-            lat_k = latency("baseline", variant(base, "latk"), args.rate, args.latency_seconds,
-                            args.warmup_seconds, work, rdk)
-            lat_f = latency("kafka", variant(base, "latf"), args.rate, args.latency_seconds,
-                            args.warmup_seconds, work, rdk)
+            skip = {"msgs_per_s": 0, "lost": 0, "p50_ms": None, "p99_ms": None}
+            cap_b = cap_b3 = cap_k = lat_b = lat_k = lat_f = skip
+            if args.only != "latency":
+                cap_b = capacity("bridge", variant(base, "capb"), args.messages, work, rdk)
+                cap_b3 = capacity("bridge", variant(base, "capb3", "3.1.1"), args.messages, work, rdk)
+                cap_k = capacity("baseline", variant(base, "capk"), args.messages, work, rdk)
+            if args.only != "capacity":
+                lat_b = latency("bridge", variant(base, "latb"), args.rate, args.latency_seconds,
+                                args.warmup_seconds, work, rdk)
+                lat_k = latency("baseline", variant(base, "latk"), args.rate, args.latency_seconds,
+                                args.warmup_seconds, work, rdk)
+                lat_f = latency("kafka", variant(base, "latf"), args.rate, args.latency_seconds,
+                                args.warmup_seconds, work, rdk)
     result = {
         "messages": args.messages,
         "bridge_msgs_per_s": cap_b["msgs_per_s"],
