@@ -5,6 +5,8 @@ QoS-1 messages (~150 bytes) are queued in Mosquitto; then the subscriber starts 
 Rate = messages / (last - first Kafka record timestamp). Latency: steady publishing at --rate
 msg/s with the send time in the payload, measured when a Kafka consumer sees the record; the
 same records produced straight to Kafka give the floor that Kafka (Tansu) itself sets.
+``--bridge-instances K`` also drains with K bridge processes in one shared subscription (an extra
+figure: the issue's ``ratio`` is one bridge process against one C pipeline).
 The last line printed is one JSON object.
 
 Usage: .venv/bin/python bench/bridge_throughput.py [--messages 200000] [--rate 5000]
@@ -114,8 +116,10 @@ def kafka_env(s: Settings) -> dict[str, str]:
 class Subscriber:
     """The bridge (``python -m ingest.bridge``) or the baseline pipeline, as a process group."""
 
-    def __init__(self, kind: str, s: Settings, workdir: Path, rdkafka_dir: Path) -> None:
+    def __init__(self, kind: str, s: Settings, workdir: Path, rdkafka_dir: Path,
+                 instances: int = 1) -> None:
         self.kind, self.s, self.workdir, self.rdk = kind, s, workdir, rdkafka_dir
+        self.instances = instances
         self.proc: subprocess.Popen | None = None
         self.log = workdir / f"{s.kafka.topic}.log"
 
@@ -123,7 +127,10 @@ class Subscriber:
         out = open(self.log, "ab")
         if self.kind == "bridge":
             argv = [sys.executable, "-m", "ingest.bridge"]
-            if os.environ.get("BENCH_PROFILE"):  # cProfile output per bridge run, for tuning
+            if self.instances > 1:  # `iotlake bridge --instances K`: a shared subscription
+                argv = [sys.executable, "-m", "lakehouse.cli", "bridge", "--instances",
+                        str(self.instances)]
+            elif os.environ.get("BENCH_PROFILE"):  # cProfile output per bridge run, for tuning
                 argv[1:1] = ["-m", "cProfile", "-o", f"{os.environ['BENCH_PROFILE']}.{self.s.kafka.topic}"]
             env = kafka_env(self.s)
         else:
@@ -137,7 +144,7 @@ class Subscriber:
         out.close()
         if self.kind == "bridge":
             deadline = time.monotonic() + 30
-            while "subscribed to" not in self.log.read_text():
+            while self.log.read_text().count("subscribed to") < self.instances:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"bridge did not start:\n{self.log.read_text()[-2000:]}")
                 time.sleep(0.02)
@@ -192,8 +199,8 @@ def read_all(s: Settings, idle: float = 3.0) -> Iterator:
         c.close()
 
 
-def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path) -> dict:
-    sub = Subscriber(kind, s, workdir, rdk)
+def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path, instances: int = 1) -> dict:
+    sub = Subscriber(kind, s, workdir, rdk, instances)
     sub.start()  # establish the persistent session ...
     sub.stop()  # ... and go away: the broker queues from now on
     t = time.monotonic()
@@ -218,7 +225,7 @@ def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path) -> dict:
            "records": len(ts), "distinct": len(seen), "lost": n - len(seen & set(range(n))),
            "missing_sample": sorted(set(range(n)) - seen)[:5],
            "publish_msgs_per_s": round(n / pub_s), "wall_s_incl_start": round(wall, 2)}
-    print(f"capacity {kind}: {res}", flush=True)
+    print(f"capacity {kind}{f' x{instances}' if instances > 1 else ''}: {res}", flush=True)
     return res
 
 
@@ -302,6 +309,9 @@ def main() -> int:
     p.add_argument("--mqtt-port", type=int, default=int(os.environ.get("BENCH_MQTT_PORT", 31983)))
     p.add_argument("--only", choices=("capacity", "latency"),
                    help="run one half (for tuning); the JSON then has zeros for the other")
+    p.add_argument("--bridge-instances", type=int, default=2,
+                   help="also drain with `iotlake bridge --instances K` (shared subscription); "
+                        "0 or 1 skips it")
     args = p.parse_args()
     for tool in ("mosquitto_sub", "kcat"):
         if not any((Path(d) / tool).exists() for d in os.environ.get("PATH", "").split(":")):
@@ -319,11 +329,14 @@ def main() -> int:
                                                 "mqtt": {**base.mqtt.model_dump(), "host": "127.0.0.1",
                                                          "port": args.mqtt_port}})
             skip = {"msgs_per_s": 0, "lost": 0, "p50_ms": None, "p99_ms": None}
-            cap_b = cap_b3 = cap_k = lat_b = lat_k = lat_f = skip
+            cap_b = cap_b3 = cap_k = cap_bk = lat_b = lat_k = lat_f = skip
             if args.only != "latency":
                 cap_b = capacity("bridge", variant(base, "capb"), args.messages, work, rdk)
                 cap_b3 = capacity("bridge", variant(base, "capb3", "3.1.1"), args.messages, work, rdk)
                 cap_k = capacity("baseline", variant(base, "capk"), args.messages, work, rdk)
+                if args.bridge_instances > 1:
+                    cap_bk = capacity("bridge", variant(base, "capbk"), args.messages, work, rdk,
+                                      args.bridge_instances)
             if args.only != "capacity":
                 lat_b = latency("bridge", variant(base, "latb"), args.rate, args.latency_seconds,
                                 args.warmup_seconds, work, rdk)
@@ -337,6 +350,11 @@ def main() -> int:
         "baseline_msgs_per_s": cap_k["msgs_per_s"],
         "bridge_mqtt311_msgs_per_s": cap_b3["msgs_per_s"],
         "ratio": round(cap_b["msgs_per_s"] / cap_k["msgs_per_s"], 3) if cap_k["msgs_per_s"] else None,
+        # the same bridge scaled out on this machine (not the issue's ratio: one process each)
+        "bridge_instances": args.bridge_instances,
+        "bridge_instances_msgs_per_s": cap_bk["msgs_per_s"],
+        "ratio_instances": (round(cap_bk["msgs_per_s"] / cap_k["msgs_per_s"], 3)
+                            if cap_k["msgs_per_s"] else None),
         "bridge_p50_ms": lat_b["p50_ms"],
         "bridge_p99_ms": lat_b["p99_ms"],
         "baseline_p50_ms": lat_k["p50_ms"],
@@ -345,7 +363,7 @@ def main() -> int:
         "kafka_floor_p50_ms": lat_f["p50_ms"],
         "kafka_floor_p99_ms": lat_f["p99_ms"],
         "latency_rate_msgs_per_s": args.rate,
-        "lost": cap_b["lost"] + cap_b3["lost"] + lat_b["lost"],
+        "lost": cap_b["lost"] + cap_b3["lost"] + cap_bk["lost"] + lat_b["lost"],
         "baseline_lost": cap_k["lost"] + lat_k["lost"],
     }
     print(json.dumps(result))

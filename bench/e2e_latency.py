@@ -78,12 +78,16 @@ def main() -> None:
                                stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
         time.sleep(args.warmup)
         sample_from = time.time()
+        cpu_from = _cpu_by_role()
         watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
         watcher.start()
         _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
         time.sleep(15)  # let the last probes arrive
         stop.set()
         watcher.join()
+        cpu_to = _cpu_by_role()
+        cores = {r: round((cpu_to[r] - cpu_from.get(r, 0.0)) / (time.time() - sample_from), 2)
+                 for r in cpu_to}
     finally:
         if sim is not None:
             sim.send_signal(signal.SIGINT)
@@ -108,6 +112,7 @@ def main() -> None:
     }
     for name, parts in _batch_profile(settings, sample_from).items():
         print(f"# {name}: {json.dumps(parts)}")
+    print(f"# cores used while sampling: {json.dumps(cores)}")
     print(json.dumps(result))
 
 
@@ -133,6 +138,31 @@ def _batch_profile(settings, since: float) -> dict[str, dict]:
         out[name] = {"batches": len(rows),
                      "rows_p50": float(np.median([r["num_input_rows"] for r in rows])),
                      **{k: float(np.median(v)) for k, v in sorted(parts.items())}}
+    return out
+
+
+#: Process roles by command line, for the CPU breakdown (first match wins).
+_ROLES = (("simulate", "simulator"), ("ingest.bridge", "bridge"), ("pyspark.daemon", "spark python workers"),
+          ("pyspark/daemon", "spark python workers"), ("pyspark.worker", "spark python workers"),
+          ("java", "spark jvm"), ("lakehouse.cli run", "driver (python)"), ("tansu", "tansu"),
+          ("mosquitto", "mosquitto"))
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of every process on the machine, summed by role (``other``: the rest,
+    this script included): where the two cores go while the pipeline runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            f = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        role = next((r for key, r in _ROLES if key in cmd), "other")
+        out[role] = out.get(role, 0.0) + sum(int(x) for x in f[11:13]) / tick
     return out
 
 

@@ -20,8 +20,8 @@ if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
     _main.__file__ = "<pytest-xdist worker>"
 
 # The reliability (chaos, fuzz, security) and scale-out (cluster, S3) suites run in their short
-# versions by default; `IOTLAKE_EXTENDED_TESTS=1 make test` runs the long ones (test_scaleout.py
-# says what they add; the long chaos run is bench/chaos.py).
+# versions by default; `IOTLAKE_EXTENDED_TESTS=1 make test` runs the long ones (test_scaleout*.py
+# say what they add; the long chaos run is bench/chaos.py).
 
 # Test ports differ from `make run`'s defaults so tests and a running demo can coexist. Under
 # pytest-xdist (`make test` runs two workers) each worker has its own brokers, 100 ports apart.
@@ -96,8 +96,8 @@ def spark(base_dir: Path):
 
 # Longest files first (seconds on the 2-core machine): with two xdist workers taking whole
 # files, a long file started last would leave one worker idle while the other finishes it.
-_LONG_FILES = ("test_scaleout.py", "test_dags.py", "test_pipeline.py", "test_chaos.py",
-               "test_backfill.py")
+_LONG_FILES = ("test_dags.py", "test_scaleout_roles.py", "test_pipeline.py", "test_scaleout.py",
+               "test_scaleout_s3.py", "test_chaos.py", "test_backfill.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
