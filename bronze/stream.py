@@ -30,6 +30,7 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
         .option("max_offsets_per_trigger", str(max_offsets or settings.stream.max_offsets_per_trigger))
         .option("client_config", json.dumps(settings.kafka.client_config))
         .option("split_records", str(settings.stream.kafka_split_records))
+        .option("task_rows", str(settings.stream.task_rows))
         .option("fail_on_data_loss", str(settings.stream.kafka_fail_on_data_loss).lower())
         .load()
     )

@@ -79,6 +79,7 @@ def silver_stream(spark: SparkSession, settings: Settings, max_rows: int | None 
         spark.readStream.format("iotlake_delta_stream")
         .option("path", path)
         .option("max_rows_per_trigger", str(max_rows or settings.stream.max_rows_per_trigger))
+        .option("task_rows", str(settings.stream.task_rows))
     )
     if columns:
         from pyspark.sql.types import StructType

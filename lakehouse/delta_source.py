@@ -7,7 +7,8 @@ reads one table version (``iotlake sql``'s views), one partition per data file. 
 Stream offsets are ``{"version": v}``: the last table version fully read (-1 before the first). Each
 micro-batch reads the files that commits ``start+1 .. end`` added with ``dataChange=true``;
 compaction commits (OPTIMIZE, dataChange=false) are skipped, so compaction never re-delivers
-rows. Options: ``path``, ``max_rows_per_trigger``, ``starting_version``. ``path`` may be an
+rows. Options: ``path``, ``max_rows_per_trigger``, ``task_rows`` (pack a batch's files into tasks
+of about this many rows; 0: a task per file), ``starting_version``. ``path`` may be an
 ``s3://`` URI: the log and data files are read through ``lakehouse.storage`` (pyarrow.fs).
 """
 
@@ -34,11 +35,19 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from lakehouse import storage
+from lakehouse.partitioning import coalesce
 
 
 class DeltaFile(InputPartition):
     def __init__(self, path: str, version: int) -> None:
         self.path, self.version = path, version
+
+
+class DeltaFiles(InputPartition):
+    """Several files read by one task (a small batch: see ``lakehouse.partitioning``)."""
+
+    def __init__(self, files: list[DeltaFile]) -> None:
+        self.files = files
 
 
 def commit_adds(table_path: str, version: int,
@@ -96,6 +105,7 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: dict[str, str], schema: StructType) -> None:
         self.path = options["path"]
         self.max_rows = int(options.get("max_rows_per_trigger", 0)) or None
+        self.task_rows = int(options.get("task_rows", 0))
         self.starting = int(options.get("starting_version", -1))
         self.ending = int(options["ending_version"]) if options.get("ending_version") else None
         self.column_names = schema.fieldNames()
@@ -141,12 +151,14 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {"version": self._latest()}
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
-        out: list[InputPartition] = []
+        files: list[DeltaFile] = []
+        rows: list[int] = []
         for v in range(start["version"] + 1, end["version"] + 1):
-            out.extend(DeltaFile(self._file(p), v)
-                       for p, _ in commit_adds(self.path, v, self.storage_options))
+            for p, n in commit_adds(self.path, v, self.storage_options):
+                files.append(DeltaFile(self._file(p), v))
+                rows.append(n if n >= 0 else self.task_rows)  # unknown count: a task of its own
             self._rows.pop(v, None)
-        return out
+        return [g[0] if len(g) == 1 else DeltaFiles(g) for g in coalesce(files, rows, self.task_rows)]
 
     def _file(self, relative: str) -> str:
         return storage.join(self.path, relative) if storage.is_uri(self.path) else str(Path(self.path, relative))
@@ -157,8 +169,9 @@ class DeltaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __repr__(self) -> str:  # never show credentials
         return f"DeltaStreamReader({self.path!r})"
 
-    def read(self, partition: DeltaFile) -> Iterator[pa.RecordBatch]:
-        return read_file(partition.path, self.column_names, self.storage_options)
+    def read(self, partition: DeltaFile | DeltaFiles) -> Iterator[pa.RecordBatch]:
+        for f in getattr(partition, "files", None) or [partition]:
+            yield from read_file(f.path, self.column_names, self.storage_options)
 
 
 def read_file(path: str, column_names: list[str],

@@ -40,6 +40,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from lakehouse.partitioning import coalesce
+
 log = logging.getLogger(__name__)
 
 KAFKA_SCHEMA = StructType(
@@ -90,9 +92,17 @@ class KafkaRange(InputPartition):
         self.topic, self.partition, self.start, self.end = topic, partition, start, end
 
 
+class KafkaRanges(InputPartition):
+    """Several ranges read by one task (a small batch: see ``lakehouse.partitioning``)."""
+
+    def __init__(self, ranges: list[KafkaRange]) -> None:
+        self.ranges = ranges
+
+
 class KafkaDataSource(DataSource):
     """Options: bootstrap, topic, max_offsets_per_trigger, starting_offsets (earliest|latest),
-    split_records (split a partition's range into chunks of this many records), client_config
+    split_records (split a partition's range into chunks of this many records), task_rows (pack
+    a batch's ranges into tasks of about this many records; 0: a task per range), client_config
     (JSON of extra librdkafka properties)."""
 
     @classmethod
@@ -115,6 +125,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.topic = options["topic"]
         self.max_per_trigger = int(options.get("max_offsets_per_trigger", 0)) or None
         self.split = int(options.get("split_records", 0)) or None
+        self.task_rows = int(options.get("task_rows", 0))
         self._consumer = None
         self._end_cache: dict[int, tuple[int, int]] = {}  # partition -> (reported high, true end)
         self._target: dict[str, int] | None = None
@@ -229,7 +240,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
         """One range per Kafka partition, or ~equal chunks of at most split_records so that a few
-        busy partitions still keep every core reading."""
+        busy partitions still keep every core reading; a small batch's ranges are packed into
+        fewer tasks of about task_rows records (not with split_records, which asks for more)."""
         out: list[InputPartition] = []
         for p in sorted(end, key=int):
             s, e = start.get(p, 0), end[p]
@@ -238,7 +250,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             n = -(-(e - s) // self.split) if self.split else 1
             out += [KafkaRange(self.topic, int(p), s + (e - s) * i // n, s + (e - s) * (i + 1) // n)
                     for i in range(n) if e > s]
-        return out
+        if self.split:
+            return out
+        return [g[0] if len(g) == 1 else KafkaRanges(g)
+                for g in coalesce(out, [r.end - r.start for r in out], self.task_rows)]
 
     def commit(self, end: dict) -> None:  # Kafka offsets live in Spark's checkpoint only
         pass
@@ -249,8 +264,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._consumer = None
 
     # -- executor side --------------------------------------------------------------------
-    def read(self, partition: KafkaRange) -> Iterator[pa.RecordBatch]:
-        yield from read_range(self.options, partition)
+    def read(self, partition: KafkaRange | KafkaRanges) -> Iterator[pa.RecordBatch]:
+        for r in getattr(partition, "ranges", None) or [partition]:
+            yield from read_range(self.options, r)
 
 
 def cap_offsets(start: dict, end: dict, max_rows: int) -> dict:

@@ -120,6 +120,10 @@ class StreamSettings(_Section):
     # >0: split a Kafka partition's range per batch into Spark tasks of this many records
     # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.
     kafka_split_records: int = Field(0, ge=0)
+    # A micro-batch's Kafka ranges / upstream files are packed into Spark tasks of about this
+    # many rows: each task of a Python data source costs a worker round trip (and a bronze file),
+    # which at live rates outweighs the rows. 0: one task per Kafka partition / Delta file.
+    task_rows: int = Field(50_000, ge=0)
     # Unread records gone from Kafka (topic recreated, retention, lost broker storage): fail the
     # bronze stream (default) or log it and go on from what the topic holds.
     kafka_fail_on_data_loss: bool = True

@@ -72,6 +72,7 @@ def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = 
         spark.readStream.format("iotlake_delta_stream")
         .option("path", bronze_path or settings.table_path("bronze"))
         .option("max_rows_per_trigger", str(max_rows or settings.stream.max_rows_per_trigger))
+        .option("task_rows", str(settings.stream.task_rows))
     )
     if bronze_ending_version is not None:
         reader = reader.option("ending_version", str(bronze_ending_version))

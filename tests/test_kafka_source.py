@@ -10,6 +10,7 @@ from deltalake import DeltaTable
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 import bronze.stream
+from lakehouse.delta_source import commit_adds, latest_version
 from lakehouse.kafka_config import client_config
 from lakehouse.kafka_source import KafkaRange, KafkaStreamReader, cap_offsets, read_range
 from lakehouse.settings import Settings
@@ -145,6 +146,10 @@ def test_bronze_small_batches_exactly_once_then_resume(settings: Settings, spark
     batches = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
     assert len(batches) == 5 and max(batches) <= 100
     assert bronze_rows(settings.table_path("bronze")) == sent
+    # small batches (< stream.task_rows): both partitions read by one task, one file per batch
+    path = settings.table_path("bronze")
+    files = [len(commit_adds(path, v)) for v in range(latest_version(path) + 1)]
+    assert [n for n in files if n] == [1] * 5
 
     q = bronze.stream.start(spark, settings, "available_now", max_offsets=100)  # resumes
     q.awaitTermination(300)
