@@ -221,10 +221,15 @@ def capacity(kind: str, s: Settings, n: int, workdir: Path, rdk: Path, instances
         seen.add(json.loads(m.value())["seq"])
         ts.append(m.timestamp()[1])
     span = (max(ts) - min(ts)) / 1000 if ts else float("nan")
+    ts.sort()
+    # the longest pause between consecutive records: a stall (e.g. Kafka producer warm-up)
+    # shows here, not in the rate
+    gap = max((b - a for a, b in zip(ts, ts[1:], strict=False)), default=0)
     res = {"msgs_per_s": round(len(seen) / span) if span else 0, "span_s": round(span, 2),
            "records": len(ts), "distinct": len(seen), "lost": n - len(seen & set(range(n))),
            "missing_sample": sorted(set(range(n)) - seen)[:5],
-           "publish_msgs_per_s": round(n / pub_s), "wall_s_incl_start": round(wall, 2)}
+           "publish_msgs_per_s": round(n / pub_s), "wall_s_incl_start": round(wall, 2),
+           "longest_gap_ms": gap}
     print(f"capacity {kind}{f' x{instances}' if instances > 1 else ''}: {res}", flush=True)
     return res
 

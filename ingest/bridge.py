@@ -11,6 +11,7 @@ simply stops while ``bridge.max_inflight`` messages are unacknowledged (backpres
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import select
 import signal
@@ -110,6 +111,10 @@ class Bridge:
         #: Set once the broker confirmed the subscription (messages published before that
         #: are only kept if an earlier session of this bridge id subscribed).
         self.subscribed = threading.Event()
+        #: Set once Kafka can take records: the idempotent producer has its producer id. Until
+        #: then a produced record waits (0.5-1 s after start against Tansu), so MQTT messages
+        #: taken off the broker's queue earlier would only sit unacknowledged in the bridge.
+        self.kafka_ready = threading.Event()
         #: Set when the broker rejected the credentials (bad user name / password, not
         #: authorized): retrying cannot help, so a caller waiting for ``subscribed`` can stop.
         self.credentials_refused = threading.Event()
@@ -132,9 +137,27 @@ class Bridge:
             "message.timeout.ms": 0,
             "queue.buffering.max.messages": max(100_000, 2 * self._max),
             "message.max.bytes": max(1_000_000, b.max_payload_bytes + 65_536),
+            # statistics carry the idempotence state: how the bridge learns Kafka is ready
+            "statistics.interval.ms": 100,
+            "stats_cb": self._on_stats,
         }
         conf.update(client_config(self.settings))  # bootstrap + SASL/SSL pass-through win
         return conf
+
+    def _on_stats(self, stats: str) -> None:
+        if not self.kafka_ready.is_set() and json.loads(stats).get("eos", {}).get(
+                "idemp_state") == "Assigned":
+            self.kafka_ready.set()
+
+    def _await_kafka(self, stop: threading.Event, timeout: float) -> None:
+        """Connect to MQTT only once Kafka can take records (or after ``timeout``: with Kafka
+        down the bridge still subscribes, and backpressure holds the broker's queue)."""
+        deadline = time.monotonic() + timeout
+        while not self.kafka_ready.is_set() and not stop.is_set() and time.monotonic() < deadline:
+            self._poll(0.02)
+        if not self.kafka_ready.is_set() and not stop.is_set():
+            log.warning("bridge %s: Kafka not ready after %.0fs; taking MQTT messages anyway "
+                        "(unacknowledged until Kafka confirms them)", self.bridge_id, timeout)
 
     def _mqtt_client(self) -> mqtt.Client:
         if self._v5:
@@ -346,6 +369,7 @@ class Bridge:
         client = self._client
         host, port = self.settings.mqtt_endpoint
         try:
+            self._await_kafka(stop, b.kafka_ready_timeout_seconds)
             while not stop.is_set():
                 if self._fatal is not None:
                     raise KafkaException(self._fatal)

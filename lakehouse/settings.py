@@ -94,6 +94,9 @@ class BridgeSettings(_Section):
     keepalive_seconds: int = Field(30, ge=5, le=3600)
     log_interval_seconds: float = Field(30.0, ge=0)
     shutdown_timeout_seconds: float = Field(10.0, ge=0)
+    # At start, wait this long for Kafka to accept records before taking MQTT messages (a
+    # restarted bridge is handed the broker's whole queue at once); then subscribe anyway.
+    kafka_ready_timeout_seconds: float = Field(5.0, ge=0)
     linger_ms: int = Field(5, ge=0)
     compression: str = Field("lz4", pattern=r"^(none|lz4|zstd|snappy|gzip)$")
 

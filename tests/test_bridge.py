@@ -86,9 +86,13 @@ def running(bridge: Bridge) -> Iterator[Bridge]:
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 def test_end_to_end_exactly_once(settings, protocol):
-    settings = derive(settings, mqtt={"protocol": protocol})
+    # a long readiness timeout: subscribing now proves Kafka was ready first
+    settings = derive(settings, mqtt={"protocol": protocol},
+                      bridge={"kafka_ready_timeout_seconds": 60})
     msgs = generate(settings, 2000, devices=10, seed=1)
     with running(Bridge(settings, "b-e2e")) as b:
+        # MQTT is taken only once Kafka can accept records (no stall on a restart's queue)
+        assert b.kafka_ready.is_set()
         assert publish(settings, msgs) == 2000
         got = consume(settings, settings.kafka.topic, expect=2000)
         stats = b.stats
@@ -218,19 +222,22 @@ def test_backpressure_when_kafka_down(settings, services_settings):
     port = services_settings.kafka.embedded_port + 7
     if port_in_use(port):
         pytest.skip(f"port {port} busy")
-    s = derive(settings, kafka={"bootstrap": f"127.0.0.1:{port}"}, bridge={"max_inflight": 100})
+    s = derive(settings, kafka={"bootstrap": f"127.0.0.1:{port}"},
+               bridge={"max_inflight": 100, "kafka_ready_timeout_seconds": 1})
     msgs = generate(s, 600, devices=5, seed=9)
     with contextlib.ExitStack() as cleanup:
-        b = cleanup.enter_context(running(Bridge(s, "b-bp")))
+        b = cleanup.enter_context(running(Bridge(s, "b-bp")))  # subscribes after the timeout
         publish(s, msgs)
         time.sleep(1.5)
         st = b.stats
         assert st["in_flight"] == 100 and st["acked"] == 0 and st["received"] <= 101
+        assert not b.kafka_ready.is_set()
         tansu = tansu_service(derive(s, data_root=str(Path(s.data_root) / "k2")), port).start()
         cleanup.callback(tansu.stop)  # runs after the bridge stopped
         ensure_topics(s)
         got = consume(s, s.kafka.topic, expect=600, timeout=90)
         stats = b.stats
+        assert b.kafka_ready.is_set()
     assert len(set(ids_of(got))) == 600
     assert stats["in_flight"] == 0 and stats["acked"] == 600
 
