@@ -18,7 +18,8 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
+import zlib
+from collections import defaultdict, deque
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -44,9 +45,14 @@ _RETAIN = (("retain", b"0"), ("retain", b"1"))
 
 class _Entry:
     """One received MQTT message until Kafka confirmed it and its ack went out; it is also its
-    own delivery callback (no closure to build per message)."""
+    own delivery callback (no closure to build per message).
 
-    __slots__ = ("bridge", "mid", "qos", "gen", "t0", "done", "topic", "payload", "headers", "dlq")
+    ``pkey`` is set on a round's last record of a (topic, partition): its delivery report
+    confirms every earlier record of that partition (see ``Bridge._flush_round``).
+    """
+
+    __slots__ = ("bridge", "mid", "qos", "gen", "t0", "done", "topic", "payload", "headers", "dlq",
+                 "pkey")
 
     def __init__(self, bridge: Bridge, mid: int, qos: int, gen: int, t0: float, topic: str,
                  payload: bytes, headers: list[tuple[str, bytes]]) -> None:
@@ -54,11 +60,15 @@ class _Entry:
         self.topic, self.payload, self.headers = topic, payload, headers
         self.done = False
         self.dlq = False
+        self.pkey = None
 
     def __call__(self, err: KafkaError | None, msg: Any) -> None:
         b = self.bridge
         if err is not None or b._closing:
             b._on_delivery(self, err, msg)
+            return
+        if self.pkey is not None:
+            b._confirm_partition(self)
             return
         self.done = True  # the common case inline: one Python call per delivery report
         b._c["dead_lettered" if self.dlq else "delivered"] += 1
@@ -99,6 +109,13 @@ class Bridge:
         flt = settings.mqtt.topic_filter
         self.subscription = f"$share/{b.share_group}/{flt}" if b.instances > 1 else flt
         self._pending: deque[_Entry] = deque()
+        # Per-round delivery reports (``_flush_round``): unconfirmed records per (topic,
+        # partition), partition counts of the target topics, the round being read.
+        self._fast = not b.per_message_delivery_reports
+        self._parts: defaultdict[tuple[str, int], deque[_Entry]] = defaultdict(deque)
+        self._nparts: dict[str, int] = {}
+        self._round: list[tuple[bytes, int, int, bytes]] = []
+        self._degrade: str | None = None
         self._retry: list[tuple[float, _Entry, str]] = []
         self._gen = 0
         self._connected = False
@@ -140,6 +157,10 @@ class Bridge:
             # statistics carry the idempotence state: how the bridge learns Kafka is ready
             "statistics.interval.ms": 100,
             "stats_cb": self._on_stats,
+            # per-round delivery reports rely on this: a record that cannot be delivered makes
+            # the producer fail (the bridge then falls back) instead of leaving a gap behind
+            # records delivered after it
+            "enable.gapless.guarantee": self._fast,
         }
         conf.update(client_config(self.settings))  # bootstrap + SASL/SSL pass-through win
         return conf
@@ -222,22 +243,117 @@ class Bridge:
         self._stamp()
         self._handle(msg._topic, msg.mid, msg.qos, msg.retain, msg.payload)
 
-    def _on_publish_fast(self, topic_raw: bytes, mid: int, retain: int, payload: bytes) -> None:
-        """BufferedClient's path for QoS-1 PUBLISH packets (stamped once per socket read)."""
-        self._handle(topic_raw, mid, 1, retain, payload)
+    def _on_publish_fast(self, *packet: Any) -> None:
+        """BufferedClient's path for QoS-1 PUBLISH packets: collected into a round
+        (``_flush_round``), stamped once per socket read."""
+        self._round.append(packet)
+
+    def _flush_round(self) -> None:
+        """Produce a round of QoS-1 messages with a delivery report only on the last record per
+        (topic, partition): with idempotence and the gapless guarantee, Kafka writes a
+        partition's records in order and a failure stops the producer, so that report confirms
+        the partition's earlier records too. A delivery report per record (a Python object
+        with copies of value and headers) cost more than the rest of the bridge together."""
+        rows, self._round = self._round, []
+        if not rows:
+            return
+        self._c["received"] += len(rows)
+        topics, pending, gen, t0, rx_at = self._topics, self._pending, self._gen, self._rx_t0, self._rx_at
+        fast, max_payload = self._fast, self._max_payload
+        entries = []
+        last: dict[tuple[str, int], int] = {}
+        for i, (topic_raw, mid, retain, payload) in enumerate(rows):
+            info = topics.get(topic_raw) or self._topic_info(topic_raw)
+            headers = [info[3], _QOS[1], _RETAIN[1 if retain else 0], rx_at, self._bid_header]
+            e = _Entry(self, mid, 1, gen, t0, info[0], payload, headers)
+            pending.append(e)
+            entries.append((e, info))
+            if fast and info[4] is not None and len(payload) <= max_payload:
+                last[info[4]] = i
+        parts = self._parts
+        for i, (e, info) in enumerate(entries):
+            target, pkey = info[1], info[4]
+            if target is None:
+                self._dead_letter(e, "unmapped_topic")
+            elif len(e.payload) > max_payload:
+                self._dead_letter(e, "payload_too_large")
+            elif fast and pkey is not None:
+                parts[pkey].append(e)
+                if last[pkey] == i:
+                    e.pkey = pkey
+                self._produce(e, target, info[2], e.payload, e.headers, pkey[1], last[pkey] == i)
+            else:
+                self._produce(e, target, info[2], e.payload, e.headers, pkey[1] if pkey else -1)
+
+    def _confirm_partition(self, marker: _Entry) -> None:
+        """A round's last record of a partition is in Kafka: so is everything before it there."""
+        q = self._parts[marker.pkey]
+        n = 0
+        while q:
+            e = q.popleft()
+            e.done = True
+            n += 1
+            if e is marker:
+                break
+        self._c["delivered"] += n
+        self.latency.observe(time.monotonic() - marker.t0, n)  # the round shares one stamp
+        self._ack_due = True
+
+    def _refresh_partitions(self, timeout: float) -> None:
+        """Partition counts of the target topics (a count change re-keys the topic cache)."""
+        targets = {self._default_topic, *self._topic_map.values()}
+        try:
+            md = self._producer.list_topics(timeout=timeout)
+        except KafkaException:
+            return
+        n = {t: len(md.topics[t].partitions) for t in targets
+             if t in md.topics and md.topics[t].error is None and md.topics[t].partitions}
+        if n != self._nparts:
+            self._nparts = n
+            self._topics.clear()
+
+    def _fall_back(self, reason: str) -> None:
+        """Leave per-round delivery reports after an unexpected Kafka error: a new producer with
+        a report per record (a bad record is dead-lettered again), and a reconnect, so the MQTT
+        broker re-delivers everything not yet acknowledged (duplicates are removed downstream)."""
+        log.warning("bridge %s: %s; now confirming every Kafka delivery separately and "
+                    "re-reading unacknowledged messages from MQTT", self.bridge_id, reason)
+        self._fast = False
+        self._closing = True
+        old = self._producer
+        old.purge()
+        old.poll(0)
+        if hasattr(old, "close"):
+            old.close()
+        self._closing = False
+        self._fatal = self._degrade = None
+        self._producer = Producer(self._producer_config())
+        self._pending.clear()
+        self._parts.clear()
+        self._retry.clear()
+        self._round.clear()
+        self._gen += 1  # no ack of a message taken before this point may go out
+        if self._client.socket() is not None:
+            self._connected = False
+            self._client.disconnect()
 
     def _stamp(self) -> None:
         """Receive time of what the next handled messages arrived with (one socket read)."""
         self._rx_t0 = time.monotonic()
         self._rx_at = ("received_at", b"%d" % (time.time_ns() // 1_000_000))
 
-    def _topic_info(self, topic_raw: bytes) -> tuple[str, str | None, bytes | None, tuple]:
-        """(topic, Kafka topic or None, key, mqtt_topic header) of an MQTT topic, cached."""
+    def _topic_info(self, topic_raw: bytes) -> tuple:
+        """(topic, Kafka topic or None, key, mqtt_topic header, (Kafka topic, partition) or None)
+        of an MQTT topic, cached. The partition is librdkafka's own choice for the key (CRC32
+        modulo the partition count), made here so per-round delivery reports know it."""
         if len(self._topics) > 65_536:
             self._topics.clear()
         # invalid UTF-8 (brokers should reject it) must not crash the bridge
         topic = topic_raw.decode("utf-8", "replace")
-        info = (topic, self._route(topic), self._key(topic), ("mqtt_topic", topic_raw))
+        target, key = self._route(topic), self._key(topic)
+        n = self._nparts.get(target) if target else None
+        pkey = (target, zlib.crc32(key) % n) if n and key is not None else None
+        info = (topic, target, key, ("mqtt_topic", topic_raw), pkey)
         self._topics[topic_raw] = info
         return info
 
@@ -252,8 +368,8 @@ class Bridge:
             self._dead_letter(e, "unmapped_topic")
         elif len(payload) > self._max_payload:
             self._dead_letter(e, "payload_too_large")
-        else:
-            self._produce(e, target, info[2], payload, headers)
+        else:  # a report of its own; the same partition as the per-round path would choose
+            self._produce(e, target, info[2], payload, headers, info[4][1] if info[4] else -1)
 
     # ---- routing -------------------------------------------------------------------------
     def _route(self, topic: str) -> str | None:
@@ -279,14 +395,21 @@ class Bridge:
 
     # ---- Kafka ---------------------------------------------------------------------------
     def _produce(self, e: _Entry, topic: str, key: bytes | None, value: bytes,
-                 headers: list[tuple[str, bytes]]) -> None:
+                 headers: list[tuple[str, bytes]], partition: int = -1, report: bool = True) -> None:
         while True:
             try:
-                self._producer.produce(topic, value, key, headers=headers, on_delivery=e)
+                if report:
+                    self._producer.produce(topic, value, key, partition, headers=headers,
+                                           on_delivery=e)
+                else:  # confirmed by a later record's report (_flush_round)
+                    self._producer.produce(topic, value, key, partition, headers=headers)
                 return
             except BufferError:  # local queue full: serve callbacks, then retry
                 self._poll(0.05)
             except KafkaException as ex:  # rejected before sending (e.g. too large)
+                if self._fast:  # its partition's round can no longer vouch for it
+                    self._degrade = f"produce_error:{ex.args[0].name()}"
+                    return
                 if e.dlq:
                     self._schedule_retry(e, f"produce_error:{ex.args[0].name()}")
                 else:
@@ -318,6 +441,9 @@ class Bridge:
             self._ack_due = True  # acked in one write after this poll round (_poll)
             return
         self._c["failed"] += 1
+        if self._fast and (e.pkey is not None or err.fatal()):
+            self._degrade = f"Kafka error {err.name()}"  # handled by the run loop
+            return
         if err.fatal():
             self._fatal = err
             return
@@ -337,6 +463,8 @@ class Bridge:
         """Ack in receive order (MQTT requires it) every message Kafka has confirmed, as one
         write (QoS 2 messages, which the bridge does not subscribe with, one by one)."""
         self._ack_due = False
+        if self._degrade is not None or (self._fatal is not None and self._fast):
+            return  # a record may be missing behind a confirmed one: nothing is acked now
         p, gen = self._pending, self._gen
         mids: list[int] = []
         while p and p[0].done:
@@ -370,10 +498,17 @@ class Bridge:
         host, port = self.settings.mqtt_endpoint
         try:
             self._await_kafka(stop, b.kafka_ready_timeout_seconds)
+            self._refresh_partitions(5.0 if self.kafka_ready.is_set() else 0.2)
+            next_refresh = time.monotonic() + 30.0
             while not stop.is_set():
+                if self._degrade is not None or (self._fatal is not None and self._fast):
+                    self._fall_back(self._degrade or f"Kafka error {self._fatal.name()}")
                 if self._fatal is not None:
                     raise KafkaException(self._fatal)
                 now = time.monotonic()
+                if now >= next_refresh:  # new topics or partitions
+                    self._refresh_partitions(0.5)
+                    next_refresh = now + 30.0
                 if client.socket() is None:
                     if now >= next_connect:
                         self._delay = min(max(self._delay * 2, 0.25), 10.0)
@@ -428,6 +563,7 @@ class Bridge:
             rc = client.loop_read()  # one packet by paho (refills the read buffer) ...
             # ... then every complete QoS-1 PUBLISH behind it without paho's per-packet cost
             client.drain_publishes(self._on_publish_fast, self._max - len(self._pending))
+            self._flush_round()
             if c["received"] == before and n:
                 break
             n += 1

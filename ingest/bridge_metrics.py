@@ -39,10 +39,11 @@ class LatencyHistogram:
         self.total = 0.0
         self.n = 0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.total += seconds
-        self.n += 1
+    def observe(self, seconds: float, n: int = 1) -> None:
+        """``n`` observations of ``seconds`` (records confirmed together share one latency)."""
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += n
+        self.total += seconds * n
+        self.n += n
 
     def quantile(self, q: float) -> float:
         """Upper bound of the bucket holding quantile ``q`` (inf beyond the last bucket)."""

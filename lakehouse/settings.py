@@ -97,6 +97,10 @@ class BridgeSettings(_Section):
     # At start, wait this long for Kafka to accept records before taking MQTT messages (a
     # restarted bridge is handed the broker's whole queue at once); then subscribe anyway.
     kafka_ready_timeout_seconds: float = Field(5.0, ge=0)
+    # Kafka confirms records per read round and partition (one delivery report for a round's
+    # records of a partition, under librdkafka's gapless guarantee); true: a report per record,
+    # which the bridge also switches to by itself after an unexpected Kafka error.
+    per_message_delivery_reports: bool = False
     linger_ms: int = Field(5, ge=0)
     compression: str = Field("lz4", pattern=r"^(none|lz4|zstd|snappy|gzip)$")
 

@@ -84,11 +84,12 @@ def running(bridge: Bridge) -> Iterator[Bridge]:
         assert not t.is_alive()
 
 
-@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
-def test_end_to_end_exactly_once(settings, protocol):
+@pytest.mark.parametrize(("protocol", "per_message"), [("5", False), ("3.1.1", False), ("5", True)])
+def test_end_to_end_exactly_once(settings, protocol, per_message):
     # a long readiness timeout: subscribing now proves Kafka was ready first
     settings = derive(settings, mqtt={"protocol": protocol},
-                      bridge={"kafka_ready_timeout_seconds": 60})
+                      bridge={"kafka_ready_timeout_seconds": 60,
+                              "per_message_delivery_reports": per_message})
     msgs = generate(settings, 2000, devices=10, seed=1)
     with running(Bridge(settings, "b-e2e")) as b:
         # MQTT is taken only once Kafka can accept records (no stall on a restart's queue)
@@ -96,6 +97,8 @@ def test_end_to_end_exactly_once(settings, protocol):
         assert publish(settings, msgs) == 2000
         got = consume(settings, settings.kafka.topic, expect=2000)
         stats = b.stats
+        # per-round delivery reports were in use (records keyed to partitions by the bridge)
+        assert b._fast is not per_message and bool(b._parts) is not per_message
     assert Counter(ids_of(got)) == Counter({m.event_id: 1 for m in msgs})
     assert stats["delivered"] == 2000 and stats["received"] == 2000 and stats["failed"] == 0
     sent = {m.event_id: m for m in msgs}
@@ -112,6 +115,33 @@ def test_end_to_end_exactly_once(settings, protocol):
     for r in got:
         by_dev.setdefault(r.key(), []).append(order[json.loads(r.value())["event_id"]])
     assert all(v == sorted(v) for v in by_dev.values())
+
+
+def test_fall_back_to_a_report_per_record_mid_stream_loses_nothing(settings, caplog):
+    """An unexpected Kafka error under per-round delivery reports (injected here: Tansu rejects
+    nothing) makes the bridge switch to a report per record and re-read everything not yet
+    acknowledged from MQTT: every message arrives, none is acked unconfirmed."""
+    s = derive(settings, bridge={"max_inflight": 300})
+    msgs = generate(s, 3000, devices=10, seed=4)
+    with running(Bridge(s, "b-fallback")) as b:
+        assert b._fast
+        pub = threading.Thread(target=publish, args=(s, msgs), kwargs={"rate": 3000})
+        pub.start()
+        deadline = time.monotonic() + 30
+        while b.stats["received"] < 1000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        b._degrade = "injected Kafka error"  # what a failed round report or fatal error sets
+        pub.join(60)
+        got = consume(s, s.kafka.topic, expect=3000)
+        deadline = time.monotonic() + 30
+        while b.stats["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = b.stats
+        assert not b._fast
+    ids = ids_of(got)
+    assert set(ids) == {m.event_id for m in msgs}  # at least once; duplicates are silver's job
+    assert stats["in_flight"] == 0 and stats["reconnects"] >= 1
+    assert "now confirming every Kafka delivery separately" in caplog.text
 
 
 def test_dead_letters(settings):

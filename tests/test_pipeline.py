@@ -109,11 +109,17 @@ def _count(settings: Settings, table: str) -> int:
 
 def test_run_notices_a_dead_bridge(settings: Settings) -> None:
     """A fatal producer error ends the bridge thread; `iotlake run`'s loop must fail on it
-    rather than idle with healthy-looking streams while messages pile up in MQTT."""
+    rather than idle with healthy-looking streams while messages pile up in MQTT. (Under
+    per-round delivery reports the first one only makes the bridge fall back to a report per
+    record with a new producer; a fatal error there ends it.)"""
     from confluent_kafka import KafkaError
 
     with bridge_thread(settings) as bridge:
         check_bridge(bridge)  # alive: nothing raised
+        assert bridge._fast
+        bridge._fatal = KafkaError(KafkaError._FATAL, "first fatal producer error", fatal=True)
+        _wait_for(lambda: not bridge._fast and bridge._fatal is None, 30, "the fallback")
+        check_bridge(bridge)  # still alive, with a new producer
         bridge._fatal = KafkaError(KafkaError._FATAL, "injected fatal producer error", fatal=True)
         _wait_for(lambda: not bridge.thread.is_alive(), 30, "the bridge thread to end")
         with pytest.raises(RuntimeError, match="stopped: .*injected fatal producer error"):
