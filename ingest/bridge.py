@@ -11,6 +11,7 @@ simply stops while ``bridge.max_inflight`` messages are unacknowledged (backpres
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import select
@@ -614,6 +615,16 @@ class Bridge:
         log.info("bridge %s stopped: %s", self.bridge_id, self.stats)
 
 
+def tune_gc() -> None:
+    """For a process that is only a bridge: the hot path allocates a few objects per message
+    while up to ``max_inflight`` entries stay alive, so CPython's default (a collection every 700
+    allocations) kept rescanning them (capacity bench: ~7% of the drain rate). Entries are freed
+    by reference counting; cycles are rare and collected every 50k allocations instead. Not for
+    ``iotlake run``, whose bridge thread shares its process with the Spark driver."""
+    gc.freeze()  # what start-up loaded is never garbage: out of every future scan
+    gc.set_threshold(50_000, 20, 100)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ingest.bridge", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="settings file (default: ./iotlake.toml or $IOTLAKE_CONFIG)")
@@ -631,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    tune_gc()
     bridge.run(stop)
     return 0
 
