@@ -6,6 +6,10 @@ session, so a crash or restart re-delivers instead of losing (duplicates are rem
 by ``event_id``). Everything runs on one thread: paho's socket is driven by hand and the
 producer's delivery callbacks are served in the same loop, so acks need no locks, and reading
 simply stops while ``bridge.max_inflight`` messages are unacknowledged (backpressure).
+
+Kafka confirms a read round's records with one delivery report per partition (the producer's
+gapless guarantee makes that report vouch for the records before it); after any unexpected
+Kafka error the bridge switches to a report per record and re-reads what it had not acked.
 """
 
 from __future__ import annotations
