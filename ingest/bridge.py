@@ -15,6 +15,7 @@ Kafka error the bridge switches to a report per record and re-reads what it had 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -25,6 +26,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -619,14 +621,21 @@ class Bridge:
         log.info("bridge %s stopped: %s", self.bridge_id, self.stats)
 
 
-def tune_gc() -> None:
+@contextlib.contextmanager
+def tuned_gc() -> Iterator[None]:
     """For a process that is only a bridge: the hot path allocates a few objects per message
     while up to ``max_inflight`` entries stay alive, so CPython's default (a collection every 700
     allocations) kept rescanning them (capacity bench: ~7% of the drain rate). Entries are freed
     by reference counting; cycles are rare and collected every 50k allocations instead. Not for
     ``iotlake run``, whose bridge thread shares its process with the Spark driver."""
+    before = gc.get_threshold()
     gc.freeze()  # what start-up loaded is never garbage: out of every future scan
     gc.set_threshold(50_000, 20, 100)
+    try:
+        yield
+    finally:  # frozen objects are never freed: extension modules would report leaks at exit
+        gc.set_threshold(*before)
+        gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -646,8 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    tune_gc()
-    bridge.run(stop)
+    with tuned_gc():
+        bridge.run(stop)
     return 0
 
 

@@ -67,11 +67,11 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--instances must be >= 1")
     _ensure_topics(settings)
     if instances == 1 and settings.bridge.instances == 1:
-        from ingest.bridge import Bridge, tune_gc
+        from ingest.bridge import Bridge, tuned_gc
 
         bridge = Bridge(settings, args.bridge_id)
-        tune_gc()
-        bridge.run(_stop_on_signals())
+        with tuned_gc():
+            bridge.run(_stop_on_signals())
         return 0
     if args.bridge_id:
         raise ValueError("--bridge-id names one instance; with --instances K the ids are "
