@@ -78,6 +78,7 @@ class _Entry:
             b._confirm_partition(self)
             return
         self.done = True  # the common case inline: one Python call per delivery report
+        b._last_confirm = time.monotonic()
         b._c["dead_lettered" if self.dlq else "delivered"] += 1
         b.latency.observe(time.monotonic() - self.t0)
         b._ack_due = True  # acked in one write after this poll round (_poll)
@@ -123,6 +124,7 @@ class Bridge:
         self._nparts: dict[str, int] = {}
         self._round: list[tuple[bytes, int, int, bytes]] = []
         self._degrade: str | None = None
+        self._last_confirm = time.monotonic()
         self._retry: list[tuple[float, _Entry, str]] = []
         self._gen = 0
         self._connected = False
@@ -303,7 +305,8 @@ class Bridge:
             if e is marker:
                 break
         self._c["delivered"] += n
-        self.latency.observe(time.monotonic() - marker.t0, n)  # the round shares one stamp
+        self._last_confirm = now = time.monotonic()
+        self.latency.observe(now - marker.t0, n)  # the round shares one stamp
         self._ack_due = True
 
     def _refresh_partitions(self, timeout: float) -> None:
@@ -319,13 +322,18 @@ class Bridge:
             self._nparts = n
             self._topics.clear()
 
-    def _fall_back(self, reason: str) -> None:
-        """Leave per-round delivery reports after an unexpected Kafka error: a new producer with
-        a report per record (a bad record is dead-lettered again), and a reconnect, so the MQTT
-        broker re-delivers everything not yet acknowledged (duplicates are removed downstream)."""
-        log.warning("bridge %s: %s; now confirming every Kafka delivery separately and "
-                    "re-reading unacknowledged messages from MQTT", self.bridge_id, reason)
-        self._fast = False
+    def _fall_back(self, reason: str, per_record: bool = True) -> None:
+        """Start over with a new producer and a reconnect, so the MQTT broker re-delivers
+        everything not yet acknowledged (duplicates are removed downstream). After an unexpected
+        Kafka error the new producer reports every record (a bad record is dead-lettered again);
+        after a stall (``per_record=False``) the delivery mode stays."""
+        if per_record:
+            log.warning("bridge %s: %s; now confirming every Kafka delivery separately and "
+                        "re-reading unacknowledged messages from MQTT", self.bridge_id, reason)
+        else:
+            log.warning("bridge %s: %s; starting over with a new Kafka producer and re-reading "
+                        "unacknowledged messages from MQTT", self.bridge_id, reason)
+        self._fast = self._fast and not per_record
         self._closing = True
         old = self._producer
         old.purge()
@@ -340,9 +348,23 @@ class Bridge:
         self._retry.clear()
         self._round.clear()
         self._gen += 1  # no ack of a message taken before this point may go out
+        self._last_confirm = time.monotonic()
+        self._refresh_partitions(1.0)
         if self._client.socket() is not None:
             self._connected = False
             self._client.disconnect()
+
+    def _stalled(self, now: float, limit: float) -> bool:
+        """Messages wait longer than ``limit`` and nothing was confirmed for as long, while Kafka
+        answers: its producer state is gone (e.g. a broker that came back empty answers every
+        produce with UNKNOWN_PRODUCER_ID, which librdkafka retries for ever)."""
+        if not self._pending or now - self._pending[0].t0 < limit or now - self._last_confirm < limit:
+            return False
+        try:
+            self._producer.list_topics(timeout=1.0)
+        except KafkaException:  # Kafka is away: waiting is all there is to do
+            return False
+        return True
 
     def _stamp(self) -> None:
         """Receive time of what the next handled messages arrived with (one socket read)."""
@@ -443,6 +465,7 @@ class Bridge:
             return
         if err is None:
             e.done = True
+            self._last_confirm = time.monotonic()
             self._c["dead_lettered" if e.dlq else "delivered"] += 1
             self.latency.observe(time.monotonic() - e.t0)
             self._ack_due = True  # acked in one write after this poll round (_poll)
@@ -507,6 +530,7 @@ class Bridge:
             self._await_kafka(stop, b.kafka_ready_timeout_seconds)
             self._refresh_partitions(5.0 if self.kafka_ready.is_set() else 0.2)
             next_refresh = time.monotonic() + 30.0
+            next_stall_check = time.monotonic() + 1.0
             while not stop.is_set():
                 if self._degrade is not None or (self._fatal is not None and self._fast):
                     self._fall_back(self._degrade or f"Kafka error {self._fatal.name()}")
@@ -516,6 +540,11 @@ class Bridge:
                 if now >= next_refresh:  # new topics or partitions
                     self._refresh_partitions(0.5)
                     next_refresh = now + 30.0
+                if now >= next_stall_check:
+                    next_stall_check = now + 1.0
+                    if self._stalled(now, b.delivery_stall_seconds):
+                        self._fall_back(f"Kafka is reachable but confirmed nothing for "
+                                        f"{b.delivery_stall_seconds:.0f}s", per_record=False)
                 if client.socket() is None:
                     if now >= next_connect:
                         self._delay = min(max(self._delay * 2, 0.25), 10.0)

@@ -101,6 +101,10 @@ class BridgeSettings(_Section):
     # records of a partition, under librdkafka's gapless guarantee); true: a report per record,
     # which the bridge also switches to by itself after an unexpected Kafka error.
     per_message_delivery_reports: bool = False
+    # Kafka reachable but confirming nothing for this long (e.g. a broker that came back empty
+    # and no longer knows the producer's id): start over with a new producer and re-read
+    # everything unacknowledged from MQTT.
+    delivery_stall_seconds: float = Field(30.0, gt=0)
     linger_ms: int = Field(5, ge=0)
     compression: str = Field("lz4", pattern=r"^(none|lz4|zstd|snappy|gzip)$")
 

@@ -272,6 +272,43 @@ def test_backpressure_when_kafka_down(settings, services_settings):
     assert stats["in_flight"] == 0 and stats["acked"] == 600
 
 
+def test_kafka_down_mid_stream_then_back(settings, services_settings, caplog):
+    """Kafka goes away mid-stream and comes back (empty, as the embedded Tansu does, which also
+    forgets the producer's id): the bridge holds at most max_inflight unacknowledged meanwhile,
+    then delivers everything MQTT kept for it."""
+    from lakehouse.services import port_in_use, tansu_service
+
+    port = services_settings.kafka.embedded_port + 8
+    if port_in_use(port):
+        pytest.skip(f"port {port} busy")
+    s = derive(settings, kafka={"bootstrap": f"127.0.0.1:{port}"},
+               bridge={"max_inflight": 100, "delivery_stall_seconds": 3})
+    broker_settings = derive(s, data_root=str(Path(s.data_root) / "k3"))
+    msgs = generate(s, 600, devices=5, seed=10)
+    with contextlib.ExitStack() as cleanup:
+        tansu = tansu_service(broker_settings, port).start()
+        ensure_topics(s)
+        b = cleanup.enter_context(running(Bridge(s, "b-mid")))
+        publish(s, msgs[:300])
+        assert len(consume(s, s.kafka.topic, expect=300)) >= 300
+        tansu.stop()
+        publish(s, msgs[300:])  # Mosquitto takes them; the bridge can deliver none
+        time.sleep(2)
+        assert b.stats["in_flight"] <= 100  # bounded while Kafka is away
+        tansu = tansu_service(broker_settings, port).start()
+        cleanup.callback(tansu.stop)  # runs after the bridge stopped
+        ensure_topics(s)
+        got = consume(s, s.kafka.topic, expect=300, timeout=90)
+        deadline = time.monotonic() + 30
+        while b.stats["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = b.stats
+    assert {m.event_id for m in msgs[300:]} <= set(ids_of(got))
+    assert stats["in_flight"] == 0
+    # the returned broker did not know the producer's id: the bridge started over by itself
+    assert "starting over with a new Kafka producer" in caplog.text
+
+
 def _free_port() -> int:
     import socket
 
