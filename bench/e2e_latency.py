@@ -47,6 +47,11 @@ def main() -> None:
     ap.add_argument("--trigger-seconds", type=float, default=0.5)
     ap.add_argument("--gold-trigger-seconds", type=float, default=-1,
                     help="gold's trigger interval (<0: --trigger-seconds)")
+    ap.add_argument("--windows-trigger-seconds", type=float, default=-1,
+                    help="gold window aggregates' trigger interval (<0: gold's)")
+    ap.add_argument("--simulator-nice", type=int, default=0,
+                    help="run the simulator (the devices' stand-in) at this nice level; the "
+                         "achieved rate is printed either way")
     ap.add_argument("--shuffle-partitions", type=int, default=0,
                     help="spark.shuffle_partitions (state store partitions; 0: the setting's default)")
     args = ap.parse_args()
@@ -56,7 +61,8 @@ def main() -> None:
     settings = load_settings(environ={}, data_root=str(root / "lake"),
                              kafka={"embedded_port": 19492}, mqtt={"embedded_port": 11983},
                              stream={"trigger_seconds": args.trigger_seconds,
-                                     "gold_trigger_seconds": args.gold_trigger_seconds},
+                                     "gold_trigger_seconds": args.gold_trigger_seconds,
+                                     "windows_trigger_seconds": args.windows_trigger_seconds},
                              observability={"metrics_port": 0}, spark=spark_opts)
     cfg = settings.save(root / "settings.json")
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
@@ -65,6 +71,7 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "run"], env=env,
                              stdout=open(root / "run.log", "w"), stderr=subprocess.STDOUT)
     sim: subprocess.Popen | None = None
+    sim_start = sim_seconds = 0.0
     sample_from = time.time()
     published: dict[str, float] = {}
     silver_seen: dict[str, float] = {}
@@ -73,9 +80,11 @@ def main() -> None:
     try:
         _wait(lambda: Path(settings.table_path("silver"), "_delta_log").exists() and child.poll() is None,
               120, "pipeline start")
-        sim = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "simulate", "--rate", str(args.rate),
-                                "--devices", str(args.devices)], env=env,
+        nice = ["nice", "-n", str(args.simulator_nice)] if args.simulator_nice else []
+        sim = subprocess.Popen([*nice, sys.executable, "-m", "lakehouse.cli", "simulate", "--rate",
+                                str(args.rate), "--devices", str(args.devices)], env=env,
                                stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
+        sim_start = time.monotonic()
         time.sleep(args.warmup)
         sample_from = time.time()
         cpu_from = _cpu_by_role()
@@ -92,6 +101,7 @@ def main() -> None:
         if sim is not None:
             sim.send_signal(signal.SIGINT)
             sim.wait(30)
+            sim_seconds = time.monotonic() - sim_start
         child.send_signal(signal.SIGINT)
         try:
             child.wait(60)
@@ -106,7 +116,9 @@ def main() -> None:
         "silver_p99_s": round(float(np.percentile(lat_s, 99)), 3) if lat_s.size else None,
         "current_p50_s": round(float(np.percentile(lat_c, 50)), 3) if lat_c.size else None,
         "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
+        "achieved_rate": _achieved_rate(root / "simulate.log", sim_seconds),
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
+        "windows_trigger_seconds": args.windows_trigger_seconds, "simulator_nice": args.simulator_nice,
         "shuffle_partitions": shuffle_partitions(settings),
         "load": os.getloadavg()[0],
     }
@@ -114,6 +126,14 @@ def main() -> None:
         print(f"# {name}: {json.dumps(parts)}")
     print(f"# cores used while sampling: {json.dumps(cores)}")
     print(json.dumps(result))
+
+
+def _achieved_rate(log: Path, seconds: float) -> float | None:
+    """Messages the simulator published per second (its last log line) over its whole run."""
+    import re
+
+    found = re.findall(r"simulator published (\d+) messages", log.read_text(errors="replace"))
+    return round(int(found[-1]) / seconds) if found else None
 
 
 def _batch_profile(settings, since: float) -> dict[str, dict]:

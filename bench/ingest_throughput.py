@@ -2,7 +2,7 @@
 
 Produces N ~150-byte telemetry JSON messages into a 4-partition topic on an embedded Tansu, then
 drains it twice with ``availableNow``: once into bronze (``bronze.stream.start``) and once into
-``noop`` with the same ``bronze_frame``, after a warm-up of both on another topic (the JVM's JIT
+``noop`` with the same Kafka stream, after a warm-up of both on another topic (the JVM's JIT
 would otherwise bill whichever runs first). The first micro-batch pays query start-up, so
 "steady" rates leave it out; on shared cores, CPU microseconds per row (whole process tree,
 Tansu included) are the load-independent figure. Checks bronze holds every record exactly once.
@@ -178,7 +178,7 @@ def drain(spark: SparkSession, settings: Settings, max_offsets: int, sink: str) 
     """Start an availableNow query from the topic's start into bronze or ``noop``."""
     if sink == "bronze":
         return bronze.stream.start(spark, settings, "available_now", max_offsets)
-    frame = bronze.stream.bronze_frame(bronze.stream.kafka_stream(spark, settings, max_offsets))
+    frame = bronze.stream.kafka_stream(spark, settings, max_offsets)
     return (frame.writeStream.format("noop").queryName("noop")
             .option("checkpointLocation", settings.checkpoint_path("noop"))
             .trigger(availableNow=True).start())

@@ -10,13 +10,12 @@ import json
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_io import ensure_table
 from lakehouse.kafka_source import ARROW_SCHEMA as KAFKA_ARROW
 from lakehouse.settings import Settings
-from lakehouse.streams import query_id, trigger_kwargs
+from lakehouse.streams import pool, query_id, trigger_kwargs
 
 TABLE = "bronze"
 SCHEMA = pa.schema(list(KAFKA_ARROW) + [pa.field("ingest_time", pa.timestamp("us", tz="UTC"))])
@@ -36,20 +35,23 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
     )
 
 
-def bronze_frame(kafka: DataFrame) -> DataFrame:
-    return kafka.withColumn("ingest_time", F.current_timestamp())
+#: Stamped by the Delta sink as it writes (``ingest_time_column``), not ``current_timestamp()`` in
+#: the plan: Spark inlines that literal into generated code, a new class to compile every batch.
+INGEST_TIME = "ingest_time"
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           max_offsets: int | None = None) -> StreamingQuery:
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
     ensure_table(path, SCHEMA)
-    return (
-        bronze_frame(kafka_stream(spark, settings, max_offsets)).writeStream.format("iotlake_delta")
+    writer = (
+        kafka_stream(spark, settings, max_offsets).writeStream.format("iotlake_delta")
         .queryName(TABLE)
         .option("path", path)
+        .option("ingest_time_column", INGEST_TIME)
         .option("app_id", query_id(ckpt))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
-        .start()
     )
+    with pool(spark, "bronze"):
+        return writer.start()

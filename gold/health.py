@@ -44,7 +44,7 @@ from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from gold.anomaly import DetectorConfig, initial_rows, score_lanes, state_fields
 from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, merge_arrow
 from lakehouse.settings import GoldSettings, Settings
-from lakehouse.streams import query_id, trigger_kwargs
+from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import (
     ANOMALIES,
     DEVICE_CURRENT,
@@ -406,12 +406,13 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
                          ("device_status_history", DEVICE_STATUS_HISTORY),
                          ("device_current", DEVICE_CURRENT)):
         ensure_table(settings.table_path(name), schema)
-    return (
+    writer = (
         health_frame(silver_stream(spark, settings, max_rows, columns=HEALTH_INPUT),
                      settings).writeStream
         .queryName(QUERY).outputMode("append")
         .foreachBatch(HealthBatch(settings, query_id(ckpt)))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
-        .start()
     )
+    with pool(spark, "gold"):
+        return writer.start()

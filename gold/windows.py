@@ -30,7 +30,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, latest_table, merge_arrow
 from lakehouse.settings import Settings
-from lakehouse.streams import batch_watermark_ms, query_id, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS, TS
 
 TABLE = "gold_metrics_1m"
@@ -227,10 +227,11 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     agg = window_aggregates(silver_stream(spark, settings, max_rows, columns=WINDOW_INPUT),
                             settings.stream.window_seconds,
                             settings.stream.watermark_seconds)
-    return (
+    writer = (
         agg.writeStream.queryName(TABLE).outputMode("update")
         .foreachBatch(MergeBatch(settings, query_id(ckpt), ckpt))
         .option("checkpointLocation", ckpt)
-        .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
-        .start()
+        .trigger(**trigger_kwargs(settings, trigger, layer="windows"))
     )
+    with pool(spark, "gold"):
+        return writer.start()

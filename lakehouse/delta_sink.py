@@ -2,7 +2,8 @@
 
 Executors write Parquet files straight into the table directory; the driver commits them in one
 delta-rs transaction tagged (app id, batch id), so a replayed batch is detected and dropped.
-Options: ``path`` (table), ``app_id`` (the streaming query id; see ``lakehouse.streams``).
+Options: ``path`` (table), ``app_id`` (the streaming query id; see ``lakehouse.streams``),
+``ingest_time_column`` (optional: a UTC timestamp column added with the time each task writes).
 For an ``s3://`` path the storage options are resolved on the driver (``lakehouse.storage``) and
 travel to the executors inside the pickled writer, never as (loggable) Spark options.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
@@ -44,17 +46,21 @@ class DeltaSinkDataSource(DataSource):
             if not self.options.get(key):
                 raise ValueError(f"iotlake_delta sink: option '{key}' is required")
         arrow_schema = utc_arrow_schema(to_arrow_schema(schema, timezone="UTC"))
+        stamp = self.options.get("ingest_time_column")
+        if stamp:
+            arrow_schema = arrow_schema.append(pa.field(stamp, pa.timestamp("us", tz="UTC")))
         path = self.options["path"]
         opts = storage.options_for(path)
         ensure_table(path, arrow_schema, storage_options=opts)
-        return DeltaStreamWriter(path, self.options["app_id"], arrow_schema, opts)
+        return DeltaStreamWriter(path, self.options["app_id"], arrow_schema, opts, stamp)
 
 
 class DeltaStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, path: str, app_id: str, schema: pa.Schema,
-                 storage_options: dict[str, str] | None = None) -> None:
+                 storage_options: dict[str, str] | None = None, stamp: str | None = None) -> None:
         self.path, self.app_id, self.schema = path, app_id, schema
         self.storage_options = storage_options or {}
+        self.stamp = stamp
 
     def __repr__(self) -> str:  # never show credentials
         return f"DeltaStreamWriter({self.path!r}, {self.app_id!r})"
@@ -63,7 +69,11 @@ class DeltaStreamWriter(DataSourceStreamArrowWriter):
         batches = [b for b in iterator if b.num_rows]
         if not batches:
             return FilesWritten([])
-        table = pa.Table.from_batches(batches).cast(self.schema)
+        table = pa.Table.from_batches(batches)
+        if self.stamp:
+            now = pa.scalar(datetime.now(UTC), pa.timestamp("us", tz="UTC"))
+            table = table.append_column(self.stamp, pa.repeat(now, table.num_rows))
+        table = table.cast(self.schema)
         return FilesWritten([write_parquet_file(self.path, table, self.storage_options)])
 
     def commit(self, messages: list[FilesWritten | None], batchId: int) -> None:

@@ -119,6 +119,9 @@ class SparkSettings(_Section):
     ui_enabled: bool = False
     # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)
     local_fs_shim: bool = True
+    # Spark's FAIR scheduler with a pool per layer: bronze and silver tasks take the next free
+    # task slot before gold's (lakehouse/fairscheduler.xml); false: one FIFO queue.
+    fair_pools: bool = True
     conf: dict[str, str] = Field(default_factory=dict)
 
 
@@ -127,6 +130,9 @@ class StreamSettings(_Section):
     # Gold's two stateful queries cost the most per batch; a longer interval leaves the cores to
     # bronze and silver (lower silver latency) at the price of fresher status. <0: trigger_seconds.
     gold_trigger_seconds: float = Field(-1.0)
+    # Gold's window aggregates (1-minute windows) need no refresh as often as device health:
+    # a longer interval leaves the cores to the latency path. <0: gold_trigger_seconds.
+    windows_trigger_seconds: float = Field(-1.0)
     max_offsets_per_trigger: int = Field(200_000, ge=1)
     # >0: split a Kafka partition's range per batch into Spark tasks of this many records
     # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 from lakehouse import storage
 from lakehouse.cluster import is_local, ship_packages
 from lakehouse.settings import Settings
+
+#: Spark's FAIR scheduler pools, one per layer (``spark.fair_pools``; ``lakehouse.streams.pool``).
+FAIR_POOLS = Path(__file__).with_name("fairscheduler.xml")
 
 
 def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession:
@@ -46,6 +50,9 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
     )
+    if settings.spark.fair_pools:
+        b = (b.config("spark.scheduler.mode", "FAIR")
+             .config("spark.scheduler.allocation.file", str(FAIR_POOLS)))
     conf = dict(settings.spark.conf)
     if is_local(settings.spark.master) and settings.spark.local_fs_shim:
         conf = _with_local_fs_shim(conf)

@@ -6,7 +6,11 @@ import fcntl
 import json
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from pyspark.sql import SparkSession
 
 from lakehouse.settings import Settings
 
@@ -65,18 +69,34 @@ def query_id(checkpoint: str) -> str:
     return qid
 
 
+@contextmanager
+def pool(spark: SparkSession, name: str) -> Iterator[None]:
+    """Start queries inside this block in the FAIR scheduler pool ``name`` (bronze, silver or
+    gold: ``lakehouse/fairscheduler.xml``). A query's thread, and the jobs its foreachBatch
+    runs, inherit the pool from the thread that started it; the caller's thread is reset."""
+    sc = spark.sparkContext
+    sc.setLocalProperty("spark.scheduler.pool", name)
+    try:
+        yield
+    finally:
+        sc.setLocalProperty("spark.scheduler.pool", None)
+
+
 def trigger_kwargs(settings: Settings, mode: str = "live", layer: str = "") -> dict:
-    """``live``: processingTime from settings (gold's own interval for ``layer="gold"``);
-    ``available_now`` / ``once`` for batch catch-up."""
+    """``live``: processingTime from settings (gold's own interval for ``layer="gold"``, the
+    window aggregates' for ``layer="windows"``); ``available_now`` / ``once`` for batch catch-up."""
     if mode == "available_now":
         return {"availableNow": True}
     if mode == "once":
         return {"once": True}
     if mode != "live":
         raise ValueError(f"unknown trigger mode {mode!r}: use live, available_now or once")
-    seconds = settings.stream.trigger_seconds
-    if layer == "gold" and settings.stream.gold_trigger_seconds >= 0:
-        seconds = settings.stream.gold_trigger_seconds
+    st = settings.stream
+    seconds = st.trigger_seconds
+    if layer in ("gold", "windows") and st.gold_trigger_seconds >= 0:
+        seconds = st.gold_trigger_seconds
+    if layer == "windows" and st.windows_trigger_seconds >= 0:
+        seconds = st.windows_trigger_seconds
     return {"processingTime": f"{int(seconds * 1000)} milliseconds"}
 
 

@@ -31,7 +31,7 @@ from lakehouse import storage
 from lakehouse.delta_io import append_arrow, ensure_table
 from lakehouse.delta_source import commit_adds
 from lakehouse.settings import Settings
-from lakehouse.streams import query_id, trigger_kwargs
+from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, SILVER
 from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
 from silver.parse import PARSE_CHECKS, parse
@@ -259,11 +259,12 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_ro
     for name, schema in ((TABLE, SILVER), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
         ensure_table(settings.table_path(name), schema)
     writer = SilverBatchWriter(spark, settings, ckpt, query_id(ckpt), suite, bronze_path)
-    return (
+    stream = (
         silver_frame(spark, settings, suite, max_rows, bronze_path, bronze_ending_version).writeStream
         .queryName(TABLE)
         .foreachBatch(writer)
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
-        .start()
     )
+    with pool(spark, "silver"):
+        return stream.start()

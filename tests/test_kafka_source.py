@@ -162,7 +162,7 @@ def test_split_records_gives_the_same_rows(settings: Settings, spark) -> None:
     path, ckpt = settings.table_path("bronze_split"), settings.checkpoint_path("bronze_split")
     kafka = spark.readStream.format("iotlake_kafka").options(
         **options(settings, split_records="37", max_offsets_per_trigger="200")).load()
-    q = (bronze.stream.bronze_frame(kafka).writeStream.format("iotlake_delta")
+    q = (kafka.writeStream.format("iotlake_delta").option("ingest_time_column", "ingest_time")
          .option("path", path).option("app_id", query_id(ckpt)).option("checkpointLocation", ckpt)
          .trigger(availableNow=True).start())
     q.awaitTermination(300)

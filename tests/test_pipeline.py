@@ -82,7 +82,25 @@ def test_end_to_end_exact_counts_and_gold(settings: Settings, spark) -> None:
     messages = generate(settings, 2000, devices=20, duplicates=50, malformed=20, start=start)
     assert sorted(bronze["value"]) == sorted(m.payload for m in messages)
     assert not bronze.duplicated(["partition", "offset"]).any()
+    # stamped by the sink as it writes each batch
+    assert bronze["ingest_time"].notna().all()
+    assert start <= bronze["ingest_time"].min() <= bronze["ingest_time"].max() <= datetime.now(UTC)
     assert_gold_matches(settings, messages)
+
+
+def test_layers_get_fair_scheduler_pools(spark) -> None:
+    """bronze and silver tasks take the next free task slot before gold's (fairscheduler.xml)."""
+    from lakehouse.streams import pool
+
+    sc = spark.sparkContext
+    assert sc.getConf().get("spark.scheduler.mode") == "FAIR"
+    pools = {n: sc._jsc.sc().getPoolForName(n) for n in ("bronze", "silver", "gold")}
+    assert all(p.isDefined() for p in pools.values())
+    assert [pools[n].get().minShare() for n in ("bronze", "silver", "gold")] == [1, 1, 0]
+    assert pools["silver"].get().weight() > pools["gold"].get().weight()
+    with pool(spark, "silver"):
+        assert sc.getLocalProperty("spark.scheduler.pool") == "silver"
+    assert sc.getLocalProperty("spark.scheduler.pool") is None  # the caller's thread is reset
 
 
 def _gold_matches(settings: Settings, messages) -> bool:

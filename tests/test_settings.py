@@ -79,3 +79,18 @@ def test_shuffle_partitions_auto_follows_the_local_cores() -> None:
     assert auto("local[*]") == max(2, os.cpu_count() or 2)
     assert auto("spark://master:7077") == 4
     assert shuffle_partitions(load_settings(environ={}, spark={"shuffle_partitions": 7})) == 7
+
+
+def test_each_layer_gets_its_trigger_interval() -> None:
+    from lakehouse.streams import trigger_kwargs
+
+    def ms(stream: dict, layer: str) -> str:
+        s = load_settings(environ={}, stream={"trigger_seconds": 0.5, **stream})
+        return trigger_kwargs(s, "live", layer)["processingTime"]
+
+    assert ms({}, "") == ms({}, "gold") == ms({}, "windows") == "500 milliseconds"
+    assert ms({"gold_trigger_seconds": 3}, "gold") == "3000 milliseconds"
+    assert ms({"gold_trigger_seconds": 3}, "windows") == "3000 milliseconds"
+    assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": 10}, "windows") == "10000 milliseconds"
+    assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": 10}, "gold") == "3000 milliseconds"
+    assert ms({"windows_trigger_seconds": 10}, "") == "500 milliseconds"
