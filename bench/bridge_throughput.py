@@ -29,7 +29,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from lakehouse.services import embedded_services, ensure_topics
-from lakehouse.settings import Settings, load_settings
+from lakehouse.settings import LINGER_MS_CLUSTER, Settings, load_settings
 
 DEVICES = 10
 PAD = 150
@@ -88,7 +88,9 @@ class KafkaPublisher:
 
     def __init__(self, s: Settings) -> None:
         self.topic = s.kafka.topic
-        self.p = Producer({"bootstrap.servers": s.kafka_bootstrap, "linger.ms": s.bridge.linger_ms,
+        # the bridge runs with kafka.bootstrap set (kafka_env), so its auto linger is the cluster one
+        linger = s.bridge.linger_ms if s.bridge.linger_ms >= 0 else LINGER_MS_CLUSTER
+        self.p = Producer({"bootstrap.servers": s.kafka_bootstrap, "linger.ms": linger,
                            "acks": "all", "enable.idempotence": True})
 
     def send(self, seq: int, data: bytes, flush: bool = False) -> None:

@@ -157,7 +157,7 @@ class Bridge:
             "client.id": self.bridge_id,
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": b.linger_ms,
+            "linger.ms": self.settings.bridge_linger_ms,
             "compression.type": b.compression,
             # Never give up on a message: while Kafka is down we stop acking MQTT instead.
             "message.timeout.ms": 0,

@@ -27,6 +27,8 @@ from pydantic import (
 from lakehouse.storage import is_uri
 
 ENV_PREFIX = "IOTLAKE_"
+#: bridge.linger_ms = -1 (auto): against a Kafka cluster / the embedded Tansu.
+LINGER_MS_CLUSTER, LINGER_MS_EMBEDDED = 5, 50
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
 _NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN", "IOTLAKE_EXTENDED_TESTS"}
 DEFAULT_FILE = "iotlake.toml"
@@ -105,7 +107,10 @@ class BridgeSettings(_Section):
     # and no longer knows the producer's id): start over with a new producer and re-read
     # everything unacknowledged from MQTT.
     delivery_stall_seconds: float = Field(30.0, gt=0)
-    linger_ms: int = Field(5, ge=0)
+    # -1 = auto: 5 ms against a Kafka cluster (``kafka.bootstrap`` set), 50 ms against the embedded
+    # Tansu, whose in-memory store spends per request in proportion to the record batches it
+    # holds: small batches (5 ms of a few hundred msg/s) slow it down within minutes.
+    linger_ms: int = Field(-1, ge=-1)
     compression: str = Field("lz4", pattern=r"^(none|lz4|zstd|snappy|gzip)$")
 
 
@@ -298,6 +303,13 @@ class Settings(_Section):
     @property
     def kafka_bootstrap(self) -> str:
         return self.kafka.bootstrap or f"127.0.0.1:{self.kafka.embedded_port}"
+
+    @property
+    def bridge_linger_ms(self) -> int:
+        """``bridge.linger_ms``, with -1 resolved for the Kafka in use (see BridgeSettings)."""
+        if self.bridge.linger_ms >= 0:
+            return self.bridge.linger_ms
+        return LINGER_MS_CLUSTER if self.kafka.bootstrap else LINGER_MS_EMBEDDED
 
     @property
     def mqtt_endpoint(self) -> tuple[str, int]:

@@ -94,3 +94,12 @@ def test_each_layer_gets_its_trigger_interval() -> None:
     assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": 10}, "windows") == "10000 milliseconds"
     assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": 10}, "gold") == "3000 milliseconds"
     assert ms({"windows_trigger_seconds": 10}, "") == "500 milliseconds"
+
+
+def test_bridge_linger_auto_follows_the_kafka_in_use() -> None:
+    """Tansu's in-memory store slows with every record batch it holds: bigger batches there."""
+    assert load_settings(environ={}).bridge_linger_ms == 50  # embedded Tansu
+    assert load_settings(environ={}, kafka={"bootstrap": "kafka-1:9092"}).bridge_linger_ms == 5
+    assert load_settings(environ={"IOTLAKE_BRIDGE__LINGER_MS": "7"}).bridge_linger_ms == 7
+    with pytest.raises(SettingsError, match="linger_ms"):
+        load_settings(environ={"IOTLAKE_BRIDGE__LINGER_MS": "-2"})
