@@ -45,9 +45,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=30, help="seconds before sampling starts")
     ap.add_argument("--probe-rate", type=float, default=5, help="probe readings per second")
     ap.add_argument("--trigger-seconds", type=float, default=0.5)
-    ap.add_argument("--gold-trigger-seconds", type=float, default=-1,
-                    help="gold's trigger interval (<0: --trigger-seconds)")
-    ap.add_argument("--windows-trigger-seconds", type=float, default=-1,
+    ap.add_argument("--gold-trigger-seconds", type=float, default=3,
+                    help="gold device health's trigger interval (<0: --trigger-seconds)")
+    ap.add_argument("--windows-trigger-seconds", type=float, default=10,
                     help="gold window aggregates' trigger interval (<0: gold's)")
     ap.add_argument("--simulator-nice", type=int, default=0,
                     help="run the simulator (the devices' stand-in) at this nice level; the "
