@@ -73,13 +73,14 @@ def query_id(checkpoint: str) -> str:
 def pool(spark: SparkSession, name: str) -> Iterator[None]:
     """Start queries inside this block in the FAIR scheduler pool ``name`` (bronze, silver or
     gold: ``lakehouse/fairscheduler.xml``). A query's thread, and the jobs its foreachBatch
-    runs, inherit the pool from the thread that started it; the caller's thread is reset."""
+    runs, inherit the pool from the thread that started it; the caller's pool is restored."""
     sc = spark.sparkContext
+    before = sc.getLocalProperty("spark.scheduler.pool")
     sc.setLocalProperty("spark.scheduler.pool", name)
     try:
         yield
     finally:
-        sc.setLocalProperty("spark.scheduler.pool", None)
+        sc.setLocalProperty("spark.scheduler.pool", before)
 
 
 def trigger_kwargs(settings: Settings, mode: str = "live", layer: str = "") -> dict:

@@ -98,9 +98,11 @@ def test_layers_get_fair_scheduler_pools(spark) -> None:
     assert all(p.isDefined() for p in pools.values())
     assert [pools[n].get().minShare() for n in ("bronze", "silver", "gold")] == [1, 1, 0]
     assert pools["silver"].get().weight() > pools["gold"].get().weight()
-    with pool(spark, "silver"):
-        assert sc.getLocalProperty("spark.scheduler.pool") == "silver"
-    assert sc.getLocalProperty("spark.scheduler.pool") is None  # the caller's thread is reset
+    with pool(spark, "gold"):
+        with pool(spark, "silver"):
+            assert sc.getLocalProperty("spark.scheduler.pool") == "silver"
+        assert sc.getLocalProperty("spark.scheduler.pool") == "gold"  # the caller's pool is back
+    assert sc.getLocalProperty("spark.scheduler.pool") is None
 
 
 def _gold_matches(settings: Settings, messages) -> bool:
