@@ -39,27 +39,33 @@ def derive(settings: Settings, **changes) -> Settings:
 
 
 def consume(settings: Settings, topic: str, expect: int | None = None, idle: float = 2.0,
-            timeout: float = 60.0) -> list:
+            timeout: float = 60.0, expect_ids: set[str] | None = None) -> list:
     """All records of ``topic``. Tansu's high watermark is unreliable, so read until nothing
-    arrived for ``idle`` seconds (or ``expect`` records were read and then ``idle`` passed)."""
+    arrived for ``idle`` seconds (or ``expect`` records, or every id of ``expect_ids``, were
+    read and then ``idle`` passed). Under at-least-once delivery a count can be reached by
+    duplicates while a re-delivery is still on its way: wait for the ids there."""
     c = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": f"t-{time.time_ns()}",
                   "enable.auto.commit": False, "fetch.wait.max.ms": 50})
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         c.assign([TopicPartition(topic, p, -2) for p in parts])  # -2: beginning
         out: list = []
+        missing = set(expect_ids or ())
         deadline = time.monotonic() + timeout
         last = time.monotonic()
         while time.monotonic() < deadline:
             m = c.poll(0.2)
             if m is None:
                 quiet = time.monotonic() - last
-                if quiet > (idle if out else max(idle, 5.0)) and (expect is None or len(out) >= expect):
+                if (quiet > (idle if out else max(idle, 5.0)) and not missing
+                        and (expect is None or len(out) >= expect)):
                     break
                 continue
             if m.error():
                 continue
             out.append(m)
+            if missing:
+                missing.discard(json.loads(m.value()).get("event_id"))
             last = time.monotonic()
         return out
     finally:
@@ -132,7 +138,7 @@ def test_fall_back_to_a_report_per_record_mid_stream_loses_nothing(settings, cap
             time.sleep(0.01)
         b._degrade = "injected Kafka error"  # what a failed round report or fatal error sets
         pub.join(60)
-        got = consume(s, s.kafka.topic, expect=3000)
+        got = consume(s, s.kafka.topic, expect_ids={m.event_id for m in msgs})
         deadline = time.monotonic() + 30
         while b.stats["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -236,7 +242,8 @@ def test_kill9_loses_nothing(settings, tmp_path):
     log = tmp_path / "bridge-2.log"
     p = _bridge_proc(settings, log)  # same client id: the broker kept the session
     try:
-        got = ids_of(consume(settings, settings.kafka.topic, expect=total, idle=2.0))
+        got = ids_of(consume(settings, settings.kafka.topic, idle=2.0,
+                             expect_ids={m.event_id for m in msgs}))
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
@@ -265,7 +272,7 @@ def test_backpressure_when_kafka_down(settings, services_settings):
         tansu = tansu_service(derive(s, data_root=str(Path(s.data_root) / "k2")), port).start()
         cleanup.callback(tansu.stop)  # runs after the bridge stopped
         ensure_topics(s)
-        got = consume(s, s.kafka.topic, expect=600, timeout=90)
+        got = consume(s, s.kafka.topic, timeout=90, expect_ids={m.event_id for m in msgs})
         stats = b.stats
         assert b.kafka_ready.is_set()
     assert len(set(ids_of(got))) == 600
@@ -298,7 +305,7 @@ def test_kafka_down_mid_stream_then_back(settings, services_settings, caplog):
         tansu = tansu_service(broker_settings, port).start()
         cleanup.callback(tansu.stop)  # runs after the bridge stopped
         ensure_topics(s)
-        got = consume(s, s.kafka.topic, expect=300, timeout=90)
+        got = consume(s, s.kafka.topic, timeout=90, expect_ids={m.event_id for m in msgs[300:]})
         deadline = time.monotonic() + 30
         while b.stats["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.1)
