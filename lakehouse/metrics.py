@@ -56,10 +56,28 @@ def lag_of(source: dict) -> int | None:
         return None
 
 
+#: Figures a foreachBatch writer measured itself (silver's dedup index keeps state outside
+#: Spark's operators), by (query id, batch id); merged into that batch's progress row.
+_BATCH_NOTES: dict[tuple[str, int], dict] = {}
+
+
+def note_batch(query_id: str, batch_id: int, **figures: int) -> None:
+    """Record ``state_rows`` / ``rows_dropped_by_watermark`` / ``duplicates_dropped`` for a batch
+    whose query keeps them outside Spark's state operators."""
+    if len(_BATCH_NOTES) > 10_000:  # a query without a listener: keep memory bounded
+        _BATCH_NOTES.clear()
+    _BATCH_NOTES[(query_id, batch_id)] = figures
+
+
 def progress_row(p: dict) -> dict:
     ops = p.get("stateOperators") or []
     custom = [o.get("customMetrics") or {} for o in ops]
     lags = [lag_of(s) for s in p.get("sources") or []]
+    noted = _BATCH_NOTES.pop((p["id"], int(p["batchId"])), {})
+    return {**_progress_fields(p, ops, custom, lags), **noted}
+
+
+def _progress_fields(p: dict, ops: list[dict], custom: list[dict], lags: list) -> dict:
     return {
         "query_name": p.get("name") or "", "query_id": p["id"], "run_id": p.get("runId"),
         "batch_id": int(p["batchId"]),

@@ -12,7 +12,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -151,6 +151,10 @@ class StreamSettings(_Section):
     kafka_fail_on_data_loss: bool = True
     max_rows_per_trigger: int = Field(500_000, ge=1)
     watermark_seconds: int = Field(600, ge=0)
+    # Silver's dedup within the watermark: "index" (driver-side, cost per batch grows with the
+    # batch only: silver/dedup.py) or "state_store" (Spark's dropDuplicatesWithinWatermark,
+    # state spread over executors, but each batch scans all of it to evict).
+    dedup: Literal["index", "state_store"] = "index"
     window_seconds: int = Field(60, ge=1)
 
     @field_validator("window_seconds")

@@ -1,16 +1,17 @@
 """Silver: parsed, typed, deduplicated under an event-time watermark, validated.
 
 bronze (Delta stream) -> parse -> validate (suite compiled to one Spark expression) ->
-dropDuplicatesWithinWatermark(event_id) (RocksDB state in the checkpoint) -> foreachBatch:
-valid rows to ``silver``, failing rows to ``quarantine`` with every reason, and per-batch
-counts to ``quality_log``. Every bronze row is accounted for:
+event-time watermark -> foreachBatch: drop late rows and duplicates (``silver.dedup``, the
+driver's index; or with ``stream.dedup = "state_store"`` Spark's dropDuplicatesWithinWatermark
+in the plan), valid rows to ``silver``, failing rows to ``quarantine`` with every reason, and
+per-batch counts to ``quality_log``. Every bronze row is accounted for:
 
     bronze rows in batch = silver + quarantine + duplicates dropped + late
 
-Spark drops a row as late when its event time is <= the watermark of the *previous* batch
-(the watermark a batch computes only applies to the next one). The dedup operator's own metrics
-say how many rows it dropped as late; only then are the batch's bronze files re-read to recover
-those rows, which are quarantined with reason ``late``.
+A row is late when its event time is <= the watermark of the *previous* batch (the watermark a
+batch computes only applies to the next one), as Spark's own operators judge it. Only when a
+batch has late rows are its bronze files re-read to recover them (the plan drops valid rows' raw
+payload early), and they are quarantined with reason ``late``.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from pyspark.sql.streaming import StreamingQuery
 from lakehouse import storage
 from lakehouse.delta_io import append_arrow, ensure_table
 from lakehouse.delta_source import commit_adds
+from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, SILVER
+from silver.dedup import DedupIndex
 from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
 from silver.parse import PARSE_CHECKS, parse
 
@@ -65,9 +68,10 @@ def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
 def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = None,
                  max_rows: int | None = None, bronze_path: str | None = None,
                  bronze_ending_version: int | None = None) -> DataFrame:
-    """The deduplicated stream; the raw payload travels on (through the dedup shuffle and to
-    the driver) only for rows bound to quarantine. ``bronze_ending_version`` stops reading
-    bronze at that version (time-travel reprocessing)."""
+    """The stream with its watermark, deduplicated here with ``stream.dedup = "state_store"``
+    (else it keeps ``dedup_key`` / ``dedup_time`` for the writer's index); the raw payload
+    travels on only for rows bound to quarantine. ``bronze_ending_version`` stops reading bronze
+    at that version (time-travel reprocessing)."""
     reader = (
         spark.readStream.format("iotlake_delta_stream")
         .option("path", bronze_path or settings.table_path("bronze"))
@@ -78,13 +82,14 @@ def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = 
         reader = reader.option("ending_version", str(bronze_ending_version))
     bronze = reader.load()
     wm = f"{settings.stream.watermark_seconds} seconds"
-    return (
+    framed = (
         validated(bronze, suite)
         .withColumn("value", F.when(F.col("reasons") != "", F.col("value")))
         .withWatermark("dedup_time", wm)
-        .dropDuplicatesWithinWatermark(["dedup_key"])
-        .drop("dedup_key", "dedup_time")
     )
+    if settings.stream.dedup == "state_store":
+        return framed.dropDuplicatesWithinWatermark(["dedup_key"]).drop("dedup_key", "dedup_time")
+    return framed
 
 
 # ---- per-batch bookkeeping from the checkpoint's offsets log ------------------------------
@@ -169,6 +174,8 @@ class SilverBatchWriter:
         self.bronze_path = bronze_path or settings.table_path("bronze")
         self.paths = paths or {t: settings.table_path(t) for t in (TABLE, QUARANTINE_TABLE, QUALITY_TABLE)}
         self.last_counts: dict[str, int] = {}
+        self.index = (DedupIndex(checkpoint, settings.stream.watermark_seconds * 1000)
+                      if settings.stream.dedup == "index" else None)
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         versions, rows_in, late_wm = batch_input(self.checkpoint, batch_id, self.bronze_path)
@@ -177,7 +184,16 @@ class SilverBatchWriter:
             self.last_counts = {}
             return
         now = datetime.now(UTC)
-        late = self._late(batch_id, versions, late_wm, rows_in - out.num_rows)
+        added = None
+        if self.index is not None:
+            out, late_n, added = self._dedup(batch_id, out, late_wm)
+            late = self._late_rows(versions, late_wm) if late_n else QUARANTINE.empty_table()
+            if late.num_rows != late_n:
+                raise RuntimeError(f"silver batch {batch_id}: {late_n} rows late in the stream, "
+                                   f"bronze re-read found {late.num_rows}")
+            self.index.log(batch_id, added)  # durable before anything of the batch commits
+        else:
+            late = self._late(batch_id, versions, late_wm, rows_in - out.num_rows)
         duplicates = rows_in - out.num_rows - late.num_rows
         if duplicates < 0:
             raise RuntimeError(f"silver batch {batch_id}: accounting broke ({rows_in} in, "
@@ -196,6 +212,20 @@ class SilverBatchWriter:
                             "duplicates": duplicates, "late": late.num_rows}
         append_arrow(self.paths[QUALITY_TABLE], self._quality(batch_id, now, out, reasons),
                      self.app_id, batch_id)
+        if added is not None:
+            self.index.commit(batch_id, added)
+            note_batch(self.app_id, batch_id, state_rows=len(self.index),
+                       rows_dropped_by_watermark=late.num_rows, duplicates_dropped=duplicates)
+
+    def _dedup(self, batch_id: int, out: pa.Table, late_wm: int) -> tuple[pa.Table, int, pa.Table]:
+        """(on-time first occurrences, late rows' count, keys the batch adds to the index)."""
+        t_us = pc.cast(out.column("dedup_time"), pa.int64())
+        on_time = pc.or_kleene(pc.is_null(t_us), pc.greater(t_us, late_wm * 1000))
+        kept = out.filter(on_time)
+        late_n = out.num_rows - kept.num_rows
+        t_ms = pc.divide(pc.cast(kept.column("dedup_time"), pa.int64()), 1000)
+        first, added = self.index.first_seen(batch_id, kept.column("dedup_key"), t_ms, late_wm)
+        return kept.filter(first), late_n, added
 
     def _late(self, batch_id: int, versions: list[int], late_wm: int, dropped: int) -> pa.Table:
         """The rows Spark dropped as late, recovered from bronze only when there are any."""

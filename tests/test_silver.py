@@ -69,10 +69,15 @@ def _json(p: bytes) -> dict | None:
 
 
 @pytest.fixture
-def lake(tmp_path: Path) -> Settings:
+def lake(tmp_path: Path, request) -> Settings:
+    dedup = getattr(request, "param", "index")
     return load_settings(environ={}, data_root=str(tmp_path / "lake"),
                          spark={"master": "local[2]", "shuffle_partitions": 2},
-                         stream={"watermark_seconds": 600})
+                         stream={"watermark_seconds": 600, "dedup": dedup})
+
+
+#: Both dedup implementations must give the same rows, counts and re-reads.
+both_dedups = pytest.mark.parametrize("lake", ["index", "state_store"], indirect=True)
 
 
 def run(spark, settings: Settings, **kwargs) -> None:
@@ -181,6 +186,7 @@ def rereads(monkeypatch) -> list[list[int]]:
     return calls
 
 
+@both_dedups
 def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, lake, monkeypatch):
     reread = rereads(monkeypatch)
     b = Bronze(lake)
@@ -213,6 +219,7 @@ def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, la
     assert reread == []  # Spark's dedup metrics said: no late rows, nothing to recover
 
 
+@both_dedups
 def test_late_rows_are_counted_and_quarantined(spark, lake, monkeypatch):
     """Spark drops a row as late against the previous batch's watermark (600 s here)."""
     reread = rereads(monkeypatch)
