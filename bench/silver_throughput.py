@@ -41,18 +41,19 @@ _INVALID = (  # (what, payload fields replaced)
 )
 
 
-def _payload(i: int, rng: random.Random, over: dict | None = None) -> bytes:
+def _payload(i: int, rng: random.Random, over: dict | None = None, step_ms: float = 10) -> bytes:
     fields = {"schema_version": "1", "device_id": f'"dev-{i % 1000 + 1:05d}"',
               "event_id": f'"{rng.getrandbits(128):032x}"',
-              "ts": f'"{(T0 + timedelta(milliseconds=10 * i)).isoformat(timespec="milliseconds")[:23]}Z"',
+              "ts": f'"{(T0 + timedelta(milliseconds=step_ms * i)).isoformat(timespec="milliseconds")[:23]}Z"',
               "temperature": f"{rng.uniform(15, 30):.2f}", "humidity": f"{rng.uniform(30, 70):.2f}",
               "battery": f"{rng.uniform(20, 100):.2f}", "status": '"ok"'}
     fields.update(over or {})
     return ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items() if v is not None) + "}").encode()
 
 
-def build_bronze(path: str, rows: int, commits: int, seed: int = 0) -> Counter[str]:
-    """Write the bronze table; returns the expected silver accounting."""
+def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: float = 10) -> Counter[str]:
+    """Write the bronze table (event times ``step_ms`` apart); returns the expected silver
+    accounting."""
     rng = random.Random(seed)
     kinds = ["dup"] * (rows // 100) + ["bad"] * (rows // 100)
     kinds += ["ok"] * (rows - len(kinds))
@@ -65,9 +66,9 @@ def build_bronze(path: str, rows: int, commits: int, seed: int = 0) -> Counter[s
             payloads.append(payloads[valid[-1 - rng.randrange(min(len(valid), 5000))]])
         elif kind == "bad":
             _, over = _INVALID[i % len(_INVALID)]
-            payloads.append(b"\xffnot json" if over is None else _payload(i, rng, over))
+            payloads.append(b"\xffnot json" if over is None else _payload(i, rng, over, step_ms))
         else:
-            payloads.append(_payload(i, rng))
+            payloads.append(_payload(i, rng, step_ms=step_ms))
             valid.append(i)
     ensure_table(path, BRONZE)
     per_commit = -(-rows // commits)

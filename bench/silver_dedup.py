@@ -1,0 +1,85 @@
+"""Silver's dedup as its state grows: Spark's state store against the driver's index.
+
+At 5,000 events/s a 600 s watermark holds ~3M event ids. Spark's
+``dropDuplicatesWithinWatermark`` reads all of them on every micro-batch to evict; the index
+(``stream.dedup = "index"``, silver/dedup.py) touches only the batch and what expires. Builds
+one bronze table whose event times are ``--step-ms`` apart (0.2 ms = 5,000 events/s of event
+time), then runs silver over it with ``available_now`` in batches of ``--batch-rows``, once per
+dedup mode in the same Spark session (state store first: the baseline). Prints per mode the
+median batch time over the first and the last ``--edge`` batches, CPU seconds of the process
+tree and the accounting; last line one JSON object with the ratio of the last batches' times.
+
+    .venv/bin/python bench/silver_dedup.py [--rows 1000000] [--batch-rows 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from silver_throughput import build_bronze, counters, tree_cpu  # bench/ is on sys.path
+
+import silver.stream
+from lakehouse.settings import load_settings
+from lakehouse.spark import spark_session
+
+
+def run(spark, root: Path, mode: str, bronze: str, batch_rows: int, edge: int) -> dict:
+    s = load_settings(environ={}, data_root=str(root / mode),
+                      stream={"watermark_seconds": 600, "dedup": mode,
+                              "max_rows_per_trigger": batch_rows})
+    pid = spark._jvm.java.lang.ProcessHandle.current().pid()
+    cpu0, t0 = tree_cpu(pid) + time.process_time(), time.monotonic()
+    q = silver.stream.start(spark, s, trigger="available_now", bronze_path=bronze)
+    q.awaitTermination()
+    wall, cpu = time.monotonic() - t0, tree_cpu(pid) + time.process_time() - cpu0
+    data = [p for p in q.recentProgress if p["numInputRows"] > 0]
+    ms = [p["durationMs"]["triggerExecution"] for p in data]
+    return {"batches": len(data), "first_batches_ms": statistics.median(ms[1:1 + edge]),
+            "last_batches_ms": statistics.median(ms[-edge:]), "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1), "accounting": dict(counters(s))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--batch-rows", type=int, default=20_000)
+    ap.add_argument("--step-ms", type=float, default=0.2, help="event time between rows")
+    ap.add_argument("--edge", type=int, default=5, help="batches at each end to take the median of")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="iotlake-dedup-bench-"))
+    try:
+        bronze = str(root / "bronze")
+        expected = build_bronze(bronze, args.rows, args.rows // args.batch_rows, step_ms=args.step_ms)
+        warm = str(root / "warm_bronze")
+        build_bronze(warm, 4 * args.batch_rows, 4, seed=1, step_ms=args.step_ms)
+        spark = spark_session(load_settings(environ={}, data_root=str(root / "spark")),
+                              app_name="iotlake-dedup-bench")
+        for mode in ("state_store", "index"):
+            run(spark, root / "warm", mode, warm, args.batch_rows, 1)
+        runs = {}
+        for mode in ("state_store", "index"):
+            runs[mode] = r = run(spark, root, mode, bronze, args.batch_rows, args.edge)
+            assert r["accounting"] == dict(expected), (mode, r["accounting"], dict(expected))
+            print(f"# {mode}: {json.dumps(r)}", flush=True)
+        spark.stop()
+        base, new = runs["state_store"], runs["index"]
+        print(json.dumps({
+            "rows": args.rows, "batch_rows": args.batch_rows, "step_ms": args.step_ms,
+            "state_store_last_batches_ms": base["last_batches_ms"],
+            "index_last_batches_ms": new["last_batches_ms"],
+            "last_batches_speedup": round(base["last_batches_ms"] / new["last_batches_ms"], 2),
+            "cpu_ratio": round(base["cpu_s"] / new["cpu_s"], 2),
+            "load_avg_1m": os.getloadavg()[0]}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
