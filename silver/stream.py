@@ -280,6 +280,25 @@ class SilverBatchWriter:
         return pa.Table.from_pylist(rows, schema=QUALITY_LOG)
 
 
+def pin_dedup_mode(checkpoint: str, mode: str) -> None:
+    """A checkpoint keeps the dedup mode it started with: the index's changelog and Spark's
+    state store do not carry over, so resuming in the other mode would forget seen ids."""
+    f = Path(checkpoint, "iotlake_dedup_mode")
+    if f.exists():
+        was = f.read_text().strip()
+        if was != mode:
+            raise ValueError(
+                f"silver checkpoint {checkpoint} was started with stream.dedup = {was!r}, not "
+                f"{mode!r}: set stream.dedup = {was!r} again, or rebuild silver into a new "
+                f"generation (iotlake reprocess) to switch")
+        return
+    f.parent.mkdir(parents=True, exist_ok=True)
+    started = Path(checkpoint, "offsets").exists()  # a checkpoint from before the setting
+    f.write_text(("state_store" if started and not Path(checkpoint, "dedup").exists() else mode) + "\n")
+    if started:
+        pin_dedup_mode(checkpoint, mode)
+
+
 def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_rows: int | None = None,
           suite_path: Path | None = None, validate: bool = True,
           bronze_path: str | None = None, bronze_ending_version: int | None = None) -> StreamingQuery:
@@ -288,7 +307,9 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_ro
     ckpt = settings.checkpoint_path(TABLE)
     for name, schema in ((TABLE, SILVER), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
         ensure_table(settings.table_path(name), schema)
-    writer = SilverBatchWriter(spark, settings, ckpt, query_id(ckpt), suite, bronze_path)
+    app_id = query_id(ckpt)
+    pin_dedup_mode(ckpt, settings.stream.dedup)
+    writer = SilverBatchWriter(spark, settings, ckpt, app_id, suite, bronze_path)
     stream = (
         silver_frame(spark, settings, suite, max_rows, bronze_path, bronze_ending_version).writeStream
         .queryName(TABLE)

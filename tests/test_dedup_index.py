@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pytest
 
 from silver.dedup import DedupIndex
 
@@ -52,3 +53,18 @@ def test_rebuild_after_a_crash_ignores_the_uncommitted_batch(tmp_path):
     assert sorted(again._expiry) == ["a", "b", "c", "d", "e"]
     # a replay of a batch the index already moved past rebuilds from the files before it
     assert batch(again, 1, [("c", 30 * S), ("b", 20 * S)], wm=0) == [True, False]
+
+
+def test_a_checkpoint_keeps_its_dedup_mode(tmp_path):
+    from silver.stream import pin_dedup_mode
+
+    ck = tmp_path / "ck"
+    pin_dedup_mode(str(ck), "index")
+    pin_dedup_mode(str(ck), "index")  # same mode: fine
+    with pytest.raises(ValueError, match=r"started with stream.dedup = 'index'.*set stream.dedup"):
+        pin_dedup_mode(str(ck), "state_store")
+    legacy = tmp_path / "legacy"  # started before the setting existed: Spark's state store
+    (legacy / "offsets").mkdir(parents=True)
+    with pytest.raises(ValueError, match="'state_store', not 'index'"):
+        pin_dedup_mode(str(legacy), "index")
+    pin_dedup_mode(str(legacy), "state_store")
