@@ -37,7 +37,7 @@ def test_chaos_kills_and_mosquitto_outage(tmp_path: Path) -> None:
     Event time runs 20x faster than the clock, so a one-minute run closes windows under the 10 min
     watermark and the final-window tables are checked with rows in them."""
     cfg = ChaosConfig(root=tmp_path, kills=3, rate=40, devices=10, seed=8, roles=("bridge", "streams"),
-                      mosquitto_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=25,
+                      mosquitto_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=90,
                       warmup_seconds=3, tail_seconds=3, drain_timeout=300, trigger_seconds=0.5,
                       event_time_speedup=20, compactions=1)
     t0 = time.monotonic()
