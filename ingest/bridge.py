@@ -336,10 +336,7 @@ class Bridge:
         self._fast = self._fast and not per_record
         self._closing = True
         old = self._producer
-        old.purge()
-        old.poll(0)
-        if hasattr(old, "close"):
-            old.close()
+        self._discard(old)
         self._closing = False
         self._fatal = self._degrade = None
         self._producer = Producer(self._producer_config())
@@ -643,11 +640,20 @@ class Bridge:
         # Drop what Kafka did not confirm (it is unacked, so the broker re-delivers it) and
         # release the producer: a stopped bridge must not keep reconnecting to Kafka.
         self._closing = True
-        producer.purge()
-        producer.poll(0)
-        if hasattr(producer, "close"):  # not in older confluent-kafka
-            producer.close()
+        self._discard(producer)
         log.info("bridge %s stopped: %s", self.bridge_id, self.stats)
+
+    def _discard(self, producer: Producer) -> None:
+        """Drop what the producer holds (unacked, so MQTT re-delivers it) and release it. Purging
+        records in flight is a fatal error under gap-less ordering, raised by ``close``: harmless
+        for a producer being thrown away, so it must not stop the bridge."""
+        try:
+            producer.purge()
+            producer.poll(0)
+            if hasattr(producer, "close"):  # not in older confluent-kafka
+                producer.close()
+        except KafkaException as e:
+            log.info("bridge %s: discarded producer ended with %s", self.bridge_id, e)
 
 
 @contextlib.contextmanager

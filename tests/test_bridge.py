@@ -19,7 +19,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ingest.bridge import Bridge
 from ingest.simulator import generate, publish
@@ -123,10 +123,25 @@ def test_end_to_end_exactly_once(settings, protocol, per_message):
     assert all(v == sorted(v) for v in by_dev.values())
 
 
-def test_fall_back_to_a_report_per_record_mid_stream_loses_nothing(settings, caplog):
+class _FatalOnClose(Producer):
+    """A producer whose close raises what librdkafka raises when the purge hit records in
+    flight under gap-less ordering (seen on a loaded machine; a timing race to reproduce)."""
+
+    def close(self, *args, **kwargs):
+        super().close(*args, **kwargs)
+        raise KafkaException(KafkaError(KafkaError._GAPLESS_GUARANTEE, "Purged in flight",
+                                        fatal=True))
+
+
+@pytest.mark.parametrize("close_fails", [False, True], ids=["close-ok", "close-fatal"])
+def test_fall_back_to_a_report_per_record_mid_stream_loses_nothing(settings, caplog, monkeypatch,
+                                                                   close_fails: bool):
     """An unexpected Kafka error under per-round delivery reports (injected here: Tansu rejects
     nothing) makes the bridge switch to a report per record and re-read everything not yet
-    acknowledged from MQTT: every message arrives, none is acked unconfirmed."""
+    acknowledged from MQTT: every message arrives, none is acked unconfirmed. The old
+    producer's fatal error on close (purged in flight) does not stop the bridge."""
+    if close_fails:
+        monkeypatch.setattr("ingest.bridge.Producer", _FatalOnClose)
     s = derive(settings, bridge={"max_inflight": 300})
     msgs = generate(s, 3000, devices=10, seed=4)
     with running(Bridge(s, "b-fallback")) as b:
