@@ -13,6 +13,11 @@ import pytest
 from lakehouse.services import embedded_services
 from lakehouse.settings import Settings, load_settings
 
+# Every JVM the suite starts (its Spark session, the CLI and role processes, Airflow's tasks, the
+# standalone cluster) lives seconds to minutes: C1 alone compiles enough, and C2's compiler
+# threads cost ~30% of a short Spark run's CPU on 2 cores (bench/jvm_startup.py).
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
+
 _main = sys.modules["__main__"]
 if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
     # pytest-xdist workers run under execnet, whose bare __main__ makes pyspark.sql.connect take

@@ -1,0 +1,105 @@
+"""CPU of a short Spark process with the JVM's full tiered JIT vs. C1 only.
+
+The test suite starts dozens of Spark processes that live seconds to a minute (CLI backfills,
+role processes, Airflow tasks). The JVM's C2 compiler threads then compete with the work for
+the two cores. This bench runs the same ``iotlake backfill --layer silver --layer gold`` over a
+small bronze table (500 rows), alternating default JIT and ``-XX:TieredStopAtLevel=1``, and
+measures the wall time and the CPU of the whole process tree. Orphaned JVMs are counted too:
+the launcher is a child subreaper. Last line: one JSON object with the medians and
+``cpu_ratio`` (default / C1).
+
+    .venv/bin/python bench/jvm_startup.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ingest.simulator import generate  # noqa: E402
+from lakehouse.settings import load_settings  # noqa: E402
+from tests.lakehouse_fixture import write_bronze  # noqa: E402
+
+PR_SET_CHILD_SUBREAPER = 36
+MODES = {"default": "", "c1": "-XX:TieredStopAtLevel=1"}
+
+
+def build(root: Path) -> Path:
+    """A lake with 500 bronze rows (duplicates and malformed included) and its config file."""
+    lake = load_settings(environ={}, data_root=str(root),
+                         spark={"master": "local[2]", "shuffle_partitions": 2})
+    msgs = generate(lake, 500, devices=5, duplicates=12, malformed=8, rate=100.0,
+                    start=datetime(2026, 11, 24, tzinfo=UTC))
+    write_bronze(lake, msgs)
+    config = root / "iotlake.toml"
+    config.write_text(f'data_root = "{root}"\n[spark]\nmaster = "local[2]"\nshuffle_partitions = 2\n')
+    return config
+
+
+def run(config: Path, java_options: str) -> tuple[float, float]:
+    """(wall s, CPU s of every descendant) of one backfill; all descendants are reaped here."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+    env |= {"IOTLAKE_CONFIG": str(config), "JAVA_TOOL_OPTIONS": java_options}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    proc = subprocess.run([str(Path(sys.executable).with_name("iotlake")), "backfill",
+                           "--layer", "silver", "--layer", "gold"], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"backfill failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    while True:  # orphans (the JVM, Python workers) were re-parented here: wait for them all
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs per mode (alternating)")
+    args = ap.parse_args()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise SystemExit("prctl(PR_SET_CHILD_SUBREAPER) failed: Linux only")
+    tmp = Path(tempfile.mkdtemp(prefix="iotlake-jvm-"))
+    try:
+        template = tmp / "template"
+        build(template)
+        results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+        for i in range(args.runs):
+            for mode, opts in MODES.items():
+                root = tmp / f"{mode}-{i}"
+                shutil.copytree(template, root)
+                config = root / "iotlake.toml"  # the copy points at its own lake
+                config.write_text(config.read_text().replace(str(template), str(root)))
+                wall, cpu = run(config, opts)
+                results[mode].append((wall, cpu))
+                print(f"{mode:8s} run {i}: wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {m: {"wall_s": round(statistics.median(w for w, _ in r), 2),
+               "cpu_s": round(statistics.median(c for _, c in r), 2)} for m, r in results.items()}
+    out["cpu_ratio"] = round(out["default"]["cpu_s"] / out["c1"]["cpu_s"], 2)
+    out["wall_ratio"] = round(out["default"]["wall_s"] / out["c1"]["wall_s"], 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
