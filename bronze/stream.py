@@ -31,6 +31,8 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
         .option("split_records", str(settings.stream.kafka_split_records))
         .option("task_rows", str(settings.stream.task_rows))
         .option("fail_on_data_loss", str(settings.stream.kafka_fail_on_data_loss).lower())
+        # no bootstrap = the embedded Tansu, which keeps records in memory only
+        .option("ephemeral_broker", str(not settings.kafka.bootstrap).lower())
         .load()
     )
 

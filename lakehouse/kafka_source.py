@@ -6,6 +6,11 @@ partition per Kafka partition (optionally split into several for large ranges); 
 as Arrow record batches built column-wise from whole ``consume()`` results, since per-record
 Python work is what bounds ingest throughput.
 
+Offsets also name the Kafka cluster they belong to (``"cluster"``: the cluster id from metadata),
+so a checkpoint is never applied to another cluster's offsets: the embedded Tansu keeps records
+in memory and starts as a new cluster each time (``lakehouse.services``), and a bootstrap pointed
+at another cluster is caught the same way. See ``_cluster_moved``.
+
 Tansu reports a partition's high watermark as the first offset of its last record batch + 1,
 so the true end is found by reading from ``high - 1`` to partition EOF (cached while the
 reported high watermark does not move). Against a real Kafka this probe is a no-op.
@@ -73,6 +78,15 @@ ARROW_SCHEMA = pa.schema(
 )
 
 
+#: Offsets key naming the Kafka cluster (its cluster id) the partition offsets belong to.
+CLUSTER = "cluster"
+
+
+def partition_offsets(offsets: dict) -> dict[str, int]:
+    """The ``{"<partition>": offset}`` part of a source offset (without ``"cluster"``)."""
+    return {p: int(v) for p, v in offsets.items() if p.isdigit()}
+
+
 def _client_conf(options: dict[str, str]) -> dict[str, Any]:
     conf: dict[str, Any] = {"bootstrap.servers": options["bootstrap"], "log.connection.close": False}
     extra = options.get("client_config")
@@ -101,6 +115,8 @@ class KafkaRanges(InputPartition):
 
 class KafkaDataSource(DataSource):
     """Options: bootstrap, topic, max_offsets_per_trigger, starting_offsets (earliest|latest),
+    fail_on_data_loss, ephemeral_broker ("true": the broker keeps nothing across restarts, so a
+    new cluster id is its normal restart, not an error),
     split_records (split a partition's range into chunks of this many records), task_rows (pack
     a batch's ranges into tasks of about this many records; 0: a task per range), client_config
     (JSON of extra librdkafka properties)."""
@@ -131,6 +147,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: dict[str, int] | None = None
         self._lows: dict[str, int] = {}  # partition -> log start offset at the last probe
         self.fail_on_data_loss = options.get("fail_on_data_loss", "true").lower() != "false"
+        self.ephemeral = options.get("ephemeral_broker", "false").lower() == "true"
+        self._cluster: str | None = None  # cluster id at the last metadata request
+        # an in-memory broker loses its records on every restart: expected, logged, not fatal
+        self._strict = self.fail_on_data_loss and not self.ephemeral
 
     # -- driver side ----------------------------------------------------------------------
     def _probe_consumer(self):
@@ -145,6 +165,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _partitions(self) -> list[int]:
         md = self._probe_consumer().list_topics(self.topic, timeout=10)
+        self._cluster = md.cluster_id or None
         t = md.topics.get(self.topic)
         if t is None or t.error is not None:
             raise RuntimeError(f"iotlake_kafka: topic {self.topic!r} not available: {t and t.error}")
@@ -189,12 +210,15 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         from confluent_kafka import TopicPartition
 
         if self.options.get("starting_offsets", "earliest") == "latest":
-            return self._true_ends()
+            return self._with_cluster(self._true_ends())
         c = self._probe_consumer()
-        return {
+        return self._with_cluster({
             str(p): c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)[0]
             for p in self._partitions()
-        }
+        })
+
+    def _with_cluster(self, offsets: dict[str, int]) -> dict:
+        return {**offsets, CLUSTER: self._cluster} if self._cluster else offsets
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_per_trigger) if self.max_per_trigger else ReadAllAvailable()
@@ -204,9 +228,46 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         latest = self._target if self._target is not None else self._true_ends()
+        old = self._cluster_moved(start)
+        if old:  # an empty batch that moves the checkpoint to the new cluster's first offsets
+            self._accept_cluster_change(old, partition_offsets(start))
+            return self._with_cluster({p: self._lows.get(p, 0) for p in latest})
+        return self._with_cluster(self._next_end(partition_offsets(start), latest, limit))
+
+    def _cluster_moved(self, offsets: dict) -> str | None:
+        """The cluster id ``offsets`` belong to, if Kafka is now another cluster (else None).
+        Offsets without one (older checkpoints, brokers without cluster ids) are not checked."""
+        old = offsets.get(CLUSTER)
+        if old is None:
+            return None
+        if self._cluster is None:
+            self._partitions()
+        return old if self._cluster is not None and old != self._cluster else None
+
+    def _accept_cluster_change(self, old: str, read: dict[str, int]) -> None:
+        """A broker that lost its storage, or a bootstrap pointed at another cluster: what the
+        old cluster held beyond ``read`` cannot be read any more. Fails unless that is expected
+        (an in-memory broker, or ``fail_on_data_loss = false``)."""
+        msg = (f"iotlake_kafka: Kafka is now cluster {self._cluster!r} but the checkpoint's "
+               f"offsets {read} are from cluster {old!r}; records the old cluster held beyond "
+               "them cannot be read here.")
+        if self.ephemeral:
+            log.warning("%s The embedded Kafka keeps records in memory and was restarted; "
+                        "reading topic %r from its first offsets.", msg, self.topic)
+        elif not self.fail_on_data_loss:
+            log.warning("%s Reading topic %r of the new cluster from its first offsets "
+                        "(kafka_fail_on_data_loss = false).", msg, self.topic)
+        else:
+            raise RuntimeError(
+                f"{msg} If kafka.bootstrap points at the wrong cluster, point it back. If the "
+                "cluster was replaced and the loss is accepted, set "
+                "stream.kafka_fail_on_data_loss = false (IOTLAKE_STREAM__KAFKA_FAIL_ON_DATA_LOSS"
+                "=false) and restart: bronze then reads the new cluster from its first offsets.")
+
+    def _next_end(self, start: dict[str, int], latest: dict[str, int], limit: ReadLimit) -> dict:
         self._check_data_loss(start, latest)
         end = {p: max(latest.get(p, 0), start.get(p, 0)) for p in set(latest) | set(start)}
-        if not self.fail_on_data_loss:  # the topic was recreated: resume at its new end
+        if not self._strict:  # the topic was recreated: resume at its new end
             end.update({p: latest[p] for p in start if p in latest and latest[p] < start[p]})
         if isinstance(limit, ReadMaxRows):
             end = cap_offsets(start, end, limit.max_rows)
@@ -231,9 +292,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                + ". Records bronze never read cannot be recovered from Kafka. To accept the loss "
                "and go on from what the topic holds now, set stream.kafka_fail_on_data_loss = "
                "false (IOTLAKE_STREAM__KAFKA_FAIL_ON_DATA_LOSS=false) and restart.")
-        if self.fail_on_data_loss:
+        if self._strict:
             raise RuntimeError(msg)
-        log.warning("%s Going on (kafka_fail_on_data_loss = false).", msg)
+        log.warning("%s Going on (%s).", msg, "in-memory embedded Kafka" if self.ephemeral
+                    else "kafka_fail_on_data_loss = false")
 
     def reportLatestOffset(self) -> dict | None:
         return self._true_ends()
@@ -242,10 +304,17 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """One range per Kafka partition, or ~equal chunks of at most split_records so that a few
         busy partitions still keep every core reading; a small batch's ranges are packed into
         fewer tasks of about task_rows records (not with split_records, which asks for more)."""
+        old = self._cluster_moved(end)
+        if old:  # a batch planned before the broker restarted, replayed: its records are gone
+            self._accept_cluster_change(old, partition_offsets(start))
+            return []
+        if start.get(CLUSTER) and end.get(CLUSTER) and start[CLUSTER] != end[CLUSTER]:
+            return []  # the batch that moved the checkpoint to a new cluster: nothing to read
+        start, end = partition_offsets(start), partition_offsets(end)
         out: list[InputPartition] = []
         for p in sorted(end, key=int):
             s, e = start.get(p, 0), end[p]
-            if not self.fail_on_data_loss:
+            if not self._strict:
                 s = max(s, self._lows.get(p, 0))  # skip what retention deleted
             n = -(-(e - s) // self.split) if self.split else 1
             out += [KafkaRange(self.topic, int(p), s + (e - s) * i // n, s + (e - s) * (i + 1) // n)
@@ -267,6 +336,16 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: KafkaRange | KafkaRanges) -> Iterator[pa.RecordBatch]:
         for r in getattr(partition, "ranges", None) or [partition]:
             yield from read_range(self.options, r)
+
+
+def kafka_end_offsets(settings) -> dict[str, int]:
+    """True end offset per partition of the telemetry topic (Tansu's high watermark lies)."""
+    reader = KafkaStreamReader({"bootstrap": settings.kafka_bootstrap, "topic": settings.kafka.topic,
+                                "client_config": json.dumps(settings.kafka.client_config)})
+    try:
+        return reader._true_ends()
+    finally:
+        reader.stop()
 
 
 def cap_offsets(start: dict, end: dict, max_rows: int) -> dict:

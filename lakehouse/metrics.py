@@ -51,7 +51,8 @@ def lag_of(source: dict) -> int | None:
     if "version" in end and "version" in latest:
         return max(0, int(latest["version"]) - int(end["version"]))
     try:
-        return sum(max(0, int(latest[p]) - int(end.get(p, 0))) for p in latest)
+        return sum(max(0, int(latest[p]) - int(end.get(p, 0))) for p in latest
+                   if p.isdigit())  # not the "cluster" key
     except (TypeError, ValueError):
         return None
 

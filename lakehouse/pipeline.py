@@ -95,10 +95,16 @@ class Running:
             time.sleep(0.5)
         raise TimeoutError(f"pipeline did not catch up within {timeout:.0f}s")
 
-    def stop(self) -> None:
+    def stop(self, wait_batch: float = 0.0) -> None:
+        """Stop every query, downstream first. ``wait_batch``: seconds in all that the queries
+        may take to finish the micro-batches they are running (a stop mid-batch cancels its Spark
+        jobs: correct, the batch is replayed at restart, but it logs pages of errors)."""
+        deadline = time.monotonic() + wait_batch
         for name in reversed(list(self.queries)):
             q = self.queries[name]
             try:
+                while q.isActive and q.status["isTriggerActive"] and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 q.stop()
             except Exception as e:  # noqa: BLE001 - stopping must go on for the others
                 log.warning("stopping %s: %s", name, e)

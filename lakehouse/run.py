@@ -131,16 +131,20 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             from lakehouse.spark import spark_session
 
             spark = spark_session(settings, app_name=f"iotlake-{role}")
+            # A new SparkContext replaces the SIGINT handler with one that cancels every job and
+            # raises KeyboardInterrupt (Ctrl-C then killed running batches: thousands of lines of
+            # stack traces). Ours again, so Ctrl-C stops the queries between batches.
+            stack.enter_context(_stop_on_signals(stop))
             from lakehouse.metrics import install
 
             install(spark, settings)
             stack.callback(release_spark, spark)  # after the queries stopped (callbacks run LIFO)
             running = Running(spark, settings, start_layers(spark, settings, layers))
-            stack.callback(running.stop)
+            stack.callback(running.stop, settings.stream.graceful_stop_seconds)
+        sim_stop = threading.Event()
         if simulate > 0:
             from ingest.simulator import run_forever
 
-            sim_stop = threading.Event()
             t = threading.Thread(target=run_forever, args=(settings, simulate, devices, sim_stop),
                                  name="simulator", daemon=True)
             t.start()
@@ -151,8 +155,44 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
                 check_alive(running.queries)
             if bridge is not None:
                 check_bridge(bridge)
+        if bridge is not None and running is not None and "bronze" in running.queries \
+                and not settings.kafka.bootstrap:
+            sim_stop.set()
+            drain_embedded_kafka(settings, bridge, running.queries["bronze"])
     log.info("iotlake stopped")
     return 0
+
+
+def drain_embedded_kafka(settings: Settings, bridge, bronze, poll: float = 0.2) -> bool:
+    """Before the embedded (in-memory) Kafka stops: stop the bridge (MQTT keeps what it did not
+    acknowledge), then let bronze read what Kafka holds, for at most
+    ``kafka.embedded_drain_seconds``. Otherwise what the bridge delivered in the last trigger
+    interval is lost with the broker. True if bronze caught up."""
+    from lakehouse.kafka_source import kafka_end_offsets, partition_offsets
+
+    bridge.stop_requested.set()
+    bridge.thread.join(30)
+    try:
+        ends = kafka_end_offsets(settings)
+    except Exception as e:  # noqa: BLE001 - Kafka already gone: nothing left to save
+        log.warning("drain: Kafka end offsets unavailable (%s); stopping without draining", e)
+        return False
+    deadline = time.monotonic() + settings.kafka.embedded_drain_seconds
+    while True:
+        read = {}
+        if bronze.lastProgress and bronze.lastProgress.get("sources"):
+            end = bronze.lastProgress["sources"][0].get("endOffset") or {}
+            read = partition_offsets(json.loads(end) if isinstance(end, str) else end)
+        left = sum(max(0, e - read.get(p, 0)) for p, e in ends.items())
+        if not left:
+            log.info("drain: bronze read every record the embedded Kafka holds")
+            return True
+        if not bronze.isActive or time.monotonic() > deadline:
+            log.warning("drain: bronze stopped %d records short of the embedded Kafka's end; "
+                        "they are lost with it (kafka.embedded_drain_seconds = %s)", left,
+                        settings.kafka.embedded_drain_seconds)
+            return False
+        time.sleep(poll)
 
 
 def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | None = None,

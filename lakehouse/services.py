@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,9 @@ def tansu_service(settings: Settings, port: int | None = None) -> Service:
         "--listener-url", f"tcp://127.0.0.1:{port}",
         "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
         "--storage-engine", "memory://tansu/",
+        # Records live in memory: each start is a new cluster, and says so in its cluster id,
+        # so bronze's checkpoint can tell old offsets from new ones (lakehouse.kafka_source).
+        "--cluster-id", f"iotlake-embedded-{uuid.uuid4().hex[:12]}",
     ]
     return Service("tansu", port, argv, run / "tansu.log")
 

@@ -55,6 +55,9 @@ class KafkaSettings(_Section):
 
     bootstrap: str = ""
     embedded_port: int = Field(19092, ge=1, le=65535)
+    # The embedded Tansu keeps records in memory: on a graceful stop `iotlake run` stops the
+    # bridge, then lets bronze read what Kafka holds for at most this long before stopping it.
+    embedded_drain_seconds: float = Field(60.0, ge=0)
     topic: str = "telemetry"
     dead_letter_topic: str = "telemetry-dlq"
     partitions: int = Field(4, ge=1, le=1024)
@@ -139,6 +142,9 @@ class StreamSettings(_Section):
     # a longer interval leaves the cores to the latency path. <0: gold_trigger_seconds.
     windows_trigger_seconds: float = Field(-1.0)
     max_offsets_per_trigger: int = Field(200_000, ge=1)
+    # On a graceful stop (SIGTERM / Ctrl-C) each query gets up to this long to finish the
+    # micro-batch it is running; stopping mid-batch cancels its jobs (replayed at restart).
+    graceful_stop_seconds: float = Field(30.0, ge=0)
     # >0: split a Kafka partition's range per batch into Spark tasks of this many records
     # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.
     kafka_split_records: int = Field(0, ge=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -12,7 +14,14 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 import bronze.stream
 from lakehouse.delta_source import commit_adds, latest_version
 from lakehouse.kafka_config import client_config
-from lakehouse.kafka_source import KafkaRange, KafkaStreamReader, cap_offsets, read_range
+from lakehouse.kafka_source import (
+    CLUSTER,
+    KafkaRange,
+    KafkaStreamReader,
+    cap_offsets,
+    partition_offsets,
+    read_range,
+)
 from lakehouse.settings import Settings
 from lakehouse.streams import query_id
 
@@ -78,7 +87,9 @@ def test_last_records_visible_despite_tansu_high_watermark(settings: Settings) -
     sent = produce(settings, 0, 60)
     reader = KafkaStreamReader(options(settings))
     try:
-        assert reader.initialOffset() == {"0": 0, "1": 0}
+        initial = reader.initialOffset()
+        assert partition_offsets(initial) == {"0": 0, "1": 0}
+        assert initial[CLUSTER].startswith("iotlake-embedded-")  # the suite's embedded Tansu
         assert reader._true_ends() == {"0": 30, "1": 30}
         # The reported end may lag (Tansu) but never exceeds the true end.
         c = Consumer(client_config(settings, **{"group.id": "t"}))
@@ -98,12 +109,13 @@ def test_available_now_target_is_fixed_at_start(settings: Settings) -> None:
         start = reader.initialOffset()
         reader.prepareForTriggerAvailableNow()
         produce(settings, 40, 20)  # arrives after the trigger started: not part of this run
-        assert reader.latestOffset(start, ReadAllAvailable()) == {"0": 20, "1": 20}
+        assert partition_offsets(reader.latestOffset(start, ReadAllAvailable())) == {"0": 20, "1": 20}
         offs, batches = start, 0
         while (nxt := reader.latestOffset(offs, ReadMaxRows(7))) != offs:
-            assert sum(nxt[p] - offs[p] for p in nxt) <= 7
+            n, o = partition_offsets(nxt), partition_offsets(offs)
+            assert sum(n[p] - o[p] for p in n) <= 7
             offs, batches = nxt, batches + 1
-        assert offs == {"0": 20, "1": 20} and batches == 6
+        assert partition_offsets(offs) == {"0": 20, "1": 20} and batches == 6
         assert reader.reportLatestOffset() == {"0": 30, "1": 30}
     finally:
         reader.stop()
@@ -168,3 +180,66 @@ def test_split_records_gives_the_same_rows(settings: Settings, spark) -> None:
     q.awaitTermination(300)
     assert q.exception() is None
     assert bronze_rows(path) == sent
+
+
+def test_embedded_kafka_restarted_empty_is_a_new_cluster(settings: Settings, services_settings,
+                                                         spark) -> None:
+    """The embedded Tansu keeps records in memory: after a restart it is a new cluster (new
+    cluster id) whose offsets start at 0 again. Bronze's checkpoint names the cluster its offsets
+    belong to, so a batch planned before the restart and replayed after it reads nothing (it
+    waited 60 s for records that are gone, then failed), and every record of the new broker is
+    read, those below the old offsets too. Against a broker that is not the embedded one, the
+    same change fails with a message that says what to do."""
+    from lakehouse.services import port_in_use, tansu_service
+
+    port = services_settings.kafka.embedded_port + 9
+    if port_in_use(port):
+        pytest.skip(f"port {port} busy")
+    s = settings.model_copy(deep=True)
+    s.kafka.bootstrap = ""  # the embedded broker, on this test's own port
+    s.kafka.embedded_port = port
+    broker = s.model_copy(deep=True)
+    broker.data_root = f"{s.data_root}-broker"
+    from lakehouse.services import ensure_topics
+
+    def run_bronze() -> None:
+        q = bronze.stream.start(spark, s, "available_now")
+        q.awaitTermination(300)
+        assert q.exception() is None, q.exception()
+
+    def values() -> list[bytes]:
+        return sorted(DeltaTable(s.table_path("bronze")).to_pyarrow_table().column("value").to_pylist())
+
+    tansu = tansu_service(broker, port).start()
+    try:
+        ensure_topics(s)
+        first = produce(s, 0, 100) | produce(s, 100, 50)
+        run_bronze()
+        ckpt = Path(s.checkpoint_path("bronze"))
+        last = max(int(p.name) for p in (ckpt / "commits").iterdir() if p.name.isdigit())
+        for f in (str(last), f".{last}.crc"):  # planned, not committed: replayed at restart
+            (ckpt / "commits" / f).unlink(missing_ok=True)
+        old = json.loads((ckpt / "offsets" / str(last)).read_text().splitlines()[2])
+    finally:
+        tansu.stop()
+    tansu = tansu_service(broker, port).start()  # empty, a new cluster id
+    try:
+        ensure_topics(s)
+        second = produce(s, 1000, 40)  # offsets 0..19 per partition, below the checkpoint's 75
+        strict = KafkaStreamReader(options(s))  # the same broker, not known to be in memory
+        try:
+            with pytest.raises(RuntimeError, match=r"Kafka is now cluster 'iotlake-embedded-.*"
+                                                   r"from cluster .*kafka_fail_on_data_loss"):
+                strict.latestOffset(old, ReadAllAvailable())
+        finally:
+            strict.stop()
+        t0 = time.monotonic()
+        run_bronze()
+        assert time.monotonic() - t0 < 55  # the replayed batch did not wait for gone records
+    finally:
+        tansu.stop()
+    assert old[CLUSTER] != json.loads(
+        max((p for p in (ckpt / "offsets").iterdir() if p.name.isdigit()),
+            key=lambda p: int(p.name)).read_text()
+        .splitlines()[2])[CLUSTER]
+    assert values() == sorted(r[1] for r in [*first.values(), *second.values()])
