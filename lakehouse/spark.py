@@ -48,6 +48,9 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.sql.execution.arrow.maxBytesPerBatch", "2147483647")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
+        # pandas 2.x warns at every applyInPandasWithState batch (gold health) about a concat
+        # inside pyspark's own worker.py, not our code: one line per batch in `iotlake run`
+        .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker")
         .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
     )
     if settings.spark.fair_pools:
