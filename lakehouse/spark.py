@@ -63,10 +63,31 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    _quiet_loggers(spark)
     if not is_local(settings.spark.master):
         ship_packages(spark)
     register_sources(spark)
     return spark
+
+
+#: Spark loggers whose WARN lines are routine here: "Current batch is falling behind" once per
+#: micro-batch longer than its trigger (on 2 cores, most of them; batch durations and lag are in
+#: ``pipeline_metrics`` and on the Prometheus endpoint), and "Failed to cancel job group" for
+#: every query stopped between batches.
+QUIET_LOGGERS = ("org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
+                 "org.apache.spark.scheduler.DAGScheduler")
+
+
+def _quiet_loggers(spark: SparkSession) -> None:
+    try:
+        jvm = spark._jvm
+        level = jvm.org.apache.logging.log4j.Level.ERROR
+        for name in QUIET_LOGGERS:
+            jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(name, level)
+    except Exception as e:  # noqa: BLE001 - e.g. Spark Connect (no JVM here): just noisier logs
+        import logging
+
+        logging.getLogger(__name__).debug("could not quiet Spark loggers: %s", e)
 
 
 def shuffle_partitions(settings: Settings) -> int:
