@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,15 +96,17 @@ class Running:
             time.sleep(0.5)
         raise TimeoutError(f"pipeline did not catch up within {timeout:.0f}s")
 
-    def stop(self, wait_batch: float = 0.0) -> None:
+    def stop(self, wait_batch: float = 0.0, hurry: threading.Event | None = None) -> None:
         """Stop every query, downstream first. ``wait_batch``: seconds in all that the queries
         may take to finish the micro-batches they are running (a stop mid-batch cancels its Spark
-        jobs: correct, the batch is replayed at restart, but it logs pages of errors)."""
+        jobs: correct, the batch is replayed at restart, but it logs pages of errors); ``hurry``
+        set (a second Ctrl-C) ends that wait."""
         deadline = time.monotonic() + wait_batch
         for name in reversed(list(self.queries)):
             q = self.queries[name]
             try:
-                while q.isActive and q.status["isTriggerActive"] and time.monotonic() < deadline:
+                while (q.isActive and q.status["isTriggerActive"] and time.monotonic() < deadline
+                       and not (hurry and hurry.is_set())):
                     time.sleep(0.02)
                 q.stop()
             except Exception as e:  # noqa: BLE001 - stopping must go on for the others

@@ -25,12 +25,19 @@ ROLES = ("all", "bridge", "streams", "bronze", "silver", "gold")
 
 
 @contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM/SIGINT set ``stop`` so shutdown is orderly (queries stopped, brokers closed)."""
+def _stop_on_signals(stop: threading.Event, hurry: threading.Event | None = None) -> Iterator[None]:
+    """SIGTERM/SIGINT set ``stop`` so shutdown is orderly (queries stopped, brokers closed); a
+    second one sets ``hurry``: skip the waits for Kafka to drain and batches to finish."""
     previous = {}
 
     def handler(signum, _frame):
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if stop.is_set() and hurry is not None:
+            log.warning("signal %s again: stopping now (running batches are replayed at "
+                        "restart; what the embedded Kafka holds unread is lost)", name)
+            hurry.set()
+            return
+        log.info("signal %s: shutting down (again to skip the waits)", name)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,8 +121,9 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
     from lakehouse.services import embedded_services
 
     stop = stop or threading.Event()
+    hurry = threading.Event()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_stop_on_signals(stop))
+        stack.enter_context(_stop_on_signals(stop, hurry))
         if role == "all":
             stack.enter_context(embedded_services(settings))
         if settings.observability.metrics_port:
@@ -134,13 +142,13 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             # A new SparkContext replaces the SIGINT handler with one that cancels every job and
             # raises KeyboardInterrupt (Ctrl-C then killed running batches: thousands of lines of
             # stack traces). Ours again, so Ctrl-C stops the queries between batches.
-            stack.enter_context(_stop_on_signals(stop))
+            stack.enter_context(_stop_on_signals(stop, hurry))
             from lakehouse.metrics import install
 
             install(spark, settings)
             stack.callback(release_spark, spark)  # after the queries stopped (callbacks run LIFO)
             running = Running(spark, settings, start_layers(spark, settings, layers))
-            stack.callback(running.stop, settings.stream.graceful_stop_seconds)
+            stack.callback(running.stop, settings.stream.graceful_stop_seconds, hurry)
         sim_stop = threading.Event()
         if simulate > 0:
             from ingest.simulator import run_forever
@@ -158,12 +166,13 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
         if bridge is not None and running is not None and "bronze" in running.queries \
                 and not settings.kafka.bootstrap:
             sim_stop.set()
-            drain_embedded_kafka(settings, bridge, running.queries["bronze"])
+            drain_embedded_kafka(settings, bridge, running.queries["bronze"], hurry)
     log.info("iotlake stopped")
     return 0
 
 
-def drain_embedded_kafka(settings: Settings, bridge, bronze, poll: float = 0.2) -> bool:
+def drain_embedded_kafka(settings: Settings, bridge, bronze,
+                         hurry: threading.Event | None = None, poll: float = 0.2) -> bool:
     """Before the embedded (in-memory) Kafka stops: stop the bridge (MQTT keeps what it did not
     acknowledge), then let bronze read what Kafka holds, for at most
     ``kafka.embedded_drain_seconds``. Otherwise what the bridge delivered in the last trigger
@@ -187,10 +196,12 @@ def drain_embedded_kafka(settings: Settings, bridge, bronze, poll: float = 0.2) 
         if not left:
             log.info("drain: bronze read every record the embedded Kafka holds")
             return True
-        if not bronze.isActive or time.monotonic() > deadline:
-            log.warning("drain: bronze stopped %d records short of the embedded Kafka's end; "
-                        "they are lost with it (kafka.embedded_drain_seconds = %s)", left,
-                        settings.kafka.embedded_drain_seconds)
+        if not bronze.isActive or time.monotonic() > deadline or (hurry and hurry.is_set()):
+            why = ("a second signal" if hurry and hurry.is_set() else "bronze stopped"
+                   if not bronze.isActive else
+                   f"kafka.embedded_drain_seconds = {settings.kafka.embedded_drain_seconds}")
+            log.warning("drain: bronze is %d records short of the embedded Kafka's end (%s); "
+                        "they are lost with it", left, why)
             return False
         time.sleep(poll)
 
