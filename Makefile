@@ -1,6 +1,7 @@
 # iotlake — two commands for a newcomer: `make run` and `make test`.
 # Each creates .venv if missing, installs the package and the system packages it needs
-# (Mosquitto; a Java runtime for Spark), and starts the embedded brokers on iotlake's own ports.
+# (Mosquitto; Java and Maven), resolves the pinned jars (Delta, Spark's Kafka connector, the
+# Kafka broker) from Maven Central into .jars/,, and starts the embedded brokers on iotlake's own ports.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -10,7 +11,9 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RATE   ?= 200
 DEVICES ?= 50
 
-.PHONY: run demo test test-deps bench lint airflow dashboard install system-deps clean
+.PHONY: run demo test test-deps bench lint airflow dashboard install system-deps jars clean
+JARS   := .jars
+MVN    := mvn -q -B
 
 run: install            ## live pipeline on embedded Mosquitto + Tansu, simulated devices; Ctrl-C stops
 	$(BIN)/iotlake run --simulate $(RATE) --devices $(DEVICES)
@@ -24,7 +27,20 @@ test: install test-deps ## the whole test suite (real brokers, real Spark, real 
 lint: install
 	$(BIN)/ruff check .
 
-install: system-deps $(STAMP)
+install: system-deps $(STAMP) jars
+
+# JVM dependencies, pinned in infra/jvm/*.pom.xml, copied from Maven Central into .jars/ (git-ignored)
+jars: $(JARS)/spark/.resolved $(JARS)/kafka/.resolved
+
+$(JARS)/spark/.resolved: infra/jvm/spark-jars.pom.xml
+	rm -rf $(JARS)/spark
+	$(MVN) -f $< dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(JARS)/spark
+	@touch $@
+
+$(JARS)/kafka/.resolved: infra/jvm/kafka-broker.pom.xml
+	rm -rf $(JARS)/kafka
+	$(MVN) -f $< dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(JARS)/kafka
+	@touch $@
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +52,7 @@ system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || missing="$$missing mosquitto"; \
 	command -v java >/dev/null 2>&1 || missing="$$missing openjdk-17-jre-headless"; \
+	command -v mvn >/dev/null 2>&1 || missing="$$missing maven"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
@@ -55,4 +72,4 @@ dashboard: install      ## ops dashboard on http://127.0.0.1:8050
 	$(BIN)/iotlake dashboard
 
 clean:
-	rm -rf data .pytest_cache
+	rm -rf data .pytest_cache $(JARS)

@@ -1,4 +1,5 @@
-"""The Spark session, configured from settings, with iotlake's data sources registered."""
+"""The Spark session, configured from settings: Delta Lake and Spark's Kafka connector on the
+classpath from the Maven-resolved jars (``lakehouse.jars``), nothing downloaded at run time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from lakehouse import storage
+from lakehouse import jars, storage
 from lakehouse.cluster import is_local, ship_packages
 from lakehouse.settings import Settings
 
@@ -52,6 +53,13 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         # inside pyspark's own worker.py, not our code: one line per batch in `iotlake run`
         .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker")
         .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
+        .config("spark.jars", ",".join(jars.spark_jars()))
+        .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+        .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+        # tables stay readable by delta-rs (dashboard, DuckDB, Polars): no deletion vectors
+        .config("spark.databricks.delta.properties.defaults.enableDeletionVectors", "false")
+        # a Delta snapshot's state is small here: 50 shuffle tasks per log replay cost more
+        .config("spark.databricks.delta.snapshotPartitions", "2")
     )
     if settings.spark.fair_pools:
         b = (b.config("spark.scheduler.mode", "FAIR")

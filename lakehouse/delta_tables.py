@@ -1,0 +1,119 @@
+"""Creating and writing Delta tables with delta-spark, exactly once per streaming micro-batch.
+
+A ``foreachBatch`` function that writes several tables passes the streaming query's id and the
+batch id to every write: appends carry them as Delta's ``txnAppId`` / ``txnVersion`` writer
+options, MERGEs through the session's ``spark.databricks.delta.write.txnAppId`` /
+``txnVersion`` (the only form DML takes them in). Delta records them in the commit and skips a
+write whose (app id, version) the table already holds, so a batch Spark replays after a crash
+writes nothing twice. The transaction state is per table: one id pair serves every table a
+batch writes.
+
+Tables are created with Delta features that delta-rs reads too (no deletion vectors, classic
+checkpoints), so the dashboard, DuckDB and Polars read what the streams write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import from_arrow_schema
+from pyspark.sql.types import StructType
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Properties every iotlake table is created with (readers without a JVM read them all).
+TABLE_PROPERTIES = {
+    "delta.enableDeletionVectors": "false",
+    "delta.checkpointPolicy": "classic",
+}
+
+
+def spark_schema(schema: pa.Schema | StructType) -> StructType:
+    return schema if isinstance(schema, StructType) else from_arrow_schema(schema)
+
+
+def ensure_table(spark: SparkSession, path: str, schema: pa.Schema | StructType,
+                 partition_by: Sequence[str] = (), properties: dict[str, str] | None = None) -> None:
+    """Create the table at ``path`` if it does not exist, empty, with ``schema`` (idempotent,
+    safe against a concurrent creator)."""
+    from delta.tables import DeltaTable
+
+    if DeltaTable.isDeltaTable(spark, path):
+        return
+    b = DeltaTable.createIfNotExists(spark).location(path).addColumns(spark_schema(schema))
+    if partition_by:
+        b = b.partitionedBy(*partition_by)
+    for k, v in {**TABLE_PROPERTIES, **(properties or {})}.items():
+        b = b.property(k, v)
+    retry_conflicts(b.execute, f"create {path}")
+
+
+def append(df: DataFrame, path: str, app_id: str, batch_id: int, schema_evolution: bool = False) -> None:
+    """Append ``df`` once for (``app_id``, ``batch_id``); a replayed batch is skipped by Delta."""
+    w = (df.write.format("delta").mode("append")
+         .option("txnAppId", app_id).option("txnVersion", str(batch_id)))
+    if schema_evolution:
+        w = w.option("mergeSchema", "true")
+    retry_conflicts(lambda: w.save(path), f"append to {path}")
+
+
+def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int,
+           when_newer: str | None = None) -> None:
+    """MERGE ``df`` into ``path`` on ``keys``: matched rows updated (only where the condition
+    ``when_newer`` holds, e.g. ``"s.updated_at >= t.updated_at"``), the others inserted. One
+    row per key in ``df``. Exactly once per (``app_id``, ``batch_id``)."""
+    from delta.tables import DeltaTable
+
+    on = " AND ".join(f"t.`{k}` <=> s.`{k}`" for k in keys)
+    spark = df.sparkSession
+
+    def run() -> None:
+        m = DeltaTable.forPath(spark, path).alias("t").merge(df.alias("s"), on)
+        m = m.whenMatchedUpdateAll(condition=when_newer) if when_newer else m.whenMatchedUpdateAll()
+        m.whenNotMatchedInsertAll().execute()
+
+    with_txn(spark, app_id, batch_id, lambda: retry_conflicts(run, f"merge into {path}"))
+
+
+def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T]) -> T:
+    """Run ``fn`` (DML: MERGE, DELETE, UPDATE) as the idempotent write of (app id, batch id).
+
+    ``spark`` must be the micro-batch's own session (``df.sparkSession`` in foreachBatch): each
+    streaming query runs in a session clone, so queries in other threads never see these confs.
+    """
+    conf = spark.conf
+    conf.set("spark.databricks.delta.write.txnAppId", app_id)
+    conf.set("spark.databricks.delta.write.txnVersion", str(batch_id))
+    try:
+        return fn()
+    finally:
+        conf.unset("spark.databricks.delta.write.txnAppId")
+        conf.unset("spark.databricks.delta.write.txnVersion")
+
+
+def retry_conflicts(fn: Callable[[], T], what: str, attempts: int = 20) -> T:
+    """Run a Delta commit, retrying the conflicts optimistic concurrency reports when another
+    writer (compaction, a concurrent MERGE) committed first; anything else raises at once."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - py4j / captured exceptions: match on the name
+            text = f"{type(e).__name__}: {e}"
+            if attempt + 1 == attempts or not any(n in text for n in _CONFLICTS):
+                raise
+            log.info("%s: commit conflict (%s), retrying", what, text.splitlines()[0][:200])
+            time.sleep(min(0.05 * 2 ** attempt, 2.0))
+    raise AssertionError("unreachable")
+
+
+_CONFLICTS = ("ConcurrentAppendException", "ConcurrentDeleteReadException",
+              "ConcurrentDeleteDeleteException", "ConcurrentTransactionException",
+              "ProtocolChangedException", "MetadataChangedException",
+              "ConcurrentWriteException", "DELTA_CONCURRENT")

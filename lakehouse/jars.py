@@ -1,0 +1,42 @@
+"""Where the JVM dependencies live: resolved from Maven at install (``make jars``), never at run time.
+
+``infra/jvm/spark-jars.pom.xml`` pins delta-spark and Spark's Kafka connector for the pyspark in
+``pyproject.toml``; ``infra/jvm/kafka-broker.pom.xml`` pins the embedded Apache Kafka broker.
+``mvn dependency:copy-dependencies`` copies them into ``<checkout>/.jars/{spark,kafka}``
+(``IOTLAKE_JARS_DIR`` points elsewhere, e.g. on a cluster image).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+class JarsMissing(RuntimeError):
+    """The Maven-resolved jars are not there; the message says how to get them."""
+
+
+def jars_root() -> Path:
+    return Path(os.environ.get("IOTLAKE_JARS_DIR") or _CHECKOUT / ".jars").expanduser().resolve()
+
+
+def jar_dir(kind: str) -> Path:
+    """``spark`` (delta-spark, spark-sql-kafka and their dependencies) or ``kafka`` (the broker)."""
+    d = jars_root() / kind
+    if not d.is_dir() or not any(d.glob("*.jar")):
+        raise JarsMissing(
+            f"no {kind} jars in {d}: run `make jars` (mvn dependency:copy-dependencies -f "
+            f"infra/jvm/{'spark-jars' if kind == 'spark' else 'kafka-broker'}.pom.xml), "
+            "or set IOTLAKE_JARS_DIR to a folder that holds spark/ and kafka/")
+    return d
+
+
+def spark_jars() -> list[str]:
+    """The jars for ``spark.jars``, sorted so every process builds the same classpath."""
+    return sorted(str(p) for p in jar_dir("spark").glob("*.jar"))
+
+
+def kafka_classpath() -> str:
+    return str(jar_dir("kafka") / "*")
