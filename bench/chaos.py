@@ -1,12 +1,11 @@
 """Chaos bench: kill -9 pipeline roles at random under steady load; nothing lost or duplicated.
 
-Starts Mosquitto and Tansu on free ports, the bridge and the bronze / silver / gold streams as
+Starts Mosquitto and Apache Kafka on free ports, the bridge and the bronze / silver / gold streams as
 separate ``iotlake run --role ...`` processes, and publishes known simulated telemetry (with
 duplicates and malformed payloads) at ``--rate`` msg/s. ``--kills`` times, at seeded-random
 moments, it kill -9s one role (or all of them: "whole run"), waits and restarts it; optionally
-it also stops and restarts Mosquitto (``--mosquitto-outages``) or Tansu (``--tansu-outages``;
-the embedded Tansu keeps messages in memory, so that one is *expected* to lose data, see
-docs/guarantees.md). Then it stops the load, waits for every layer to catch up and checks every
+it also stops and restarts Mosquitto (``--mosquitto-outages``) or Kafka (``--kafka-outages``;
+both keep their data on disk, so an outage must lose nothing). Then it stops the load, waits for every layer to catch up and checks every
 guarantee (``lakehouse/chaos.py``). Last line: one JSON object with kills, published, lost,
 duplicated, mismatched_windows, final_windows_bad, seconds, bronze_extra and per-role kill counts.
 """
@@ -40,7 +39,7 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=60.0,
                     help="max seconds to wait for a restarted role to work before killing again")
     ap.add_argument("--mosquitto-outages", type=int, default=2)
-    ap.add_argument("--tansu-outages", type=int, default=0)
+    ap.add_argument("--kafka-outages", type=int, default=1)
     ap.add_argument("--compactions", type=int, default=0,
                     help="times to compact every table while the streams write")
     ap.add_argument("--event-time-speedup", type=float, default=1.0,
@@ -54,7 +53,7 @@ def main() -> int:
     cfg = ChaosConfig(root=root, kills=args.kills, rate=args.rate, devices=args.devices,
                       seed=args.seed, interval=tuple(args.interval), downtime=tuple(args.downtime),
                       roles=tuple(args.roles.split(",")), mosquitto_outages=args.mosquitto_outages,
-                      tansu_outages=args.tansu_outages, drain_timeout=args.drain_timeout,
+                      kafka_outages=args.kafka_outages, drain_timeout=args.drain_timeout,
                       partitions=args.partitions, ready_timeout=args.ready_timeout,
                       event_time_speedup=args.event_time_speedup, compactions=args.compactions)
     result = run_chaos(cfg)

@@ -34,7 +34,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 import bronze.stream
 from lakehouse.kafka_config import client_config
-from lakehouse.services import ensure_topics, tansu_service
+from lakehouse.services import ensure_topics, kafka_service
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 
@@ -203,7 +203,7 @@ def main() -> None:
     port = args.port or free_port()
     settings = bench_settings(root, port, "bench-telemetry", args.partitions, conf)
     warm = bench_settings(root, port, "bench-warmup", args.partitions, conf)
-    tansu = tansu_service(settings, port=port).start()
+    tansu = kafka_service(settings, port=port).start()
     spark = None
     try:
         ensure_topics(settings)

@@ -31,7 +31,7 @@ from deltalake import DeltaTable
 
 from lakehouse.cluster import StandaloneCluster, cluster_conf, free_port
 from lakehouse.kafka_config import client_config
-from lakehouse.services import ensure_topics, tansu_service
+from lakehouse.services import ensure_topics, kafka_service
 from lakehouse.settings import Settings, load_settings
 
 PARTITIONS = (1, 2, 4)
@@ -112,7 +112,7 @@ def main() -> None:
     port = free_port()
     base = load_settings(environ={}, data_root=str(work / "lake"), kafka={"embedded_port": port},
                          observability={"metrics_port": 0})
-    tansu = tansu_service(base, port).start()
+    tansu = kafka_service(base, port).start()
     try:
         s = base.model_copy(deep=True)
         s.kafka.bootstrap = base.kafka_bootstrap

@@ -138,7 +138,7 @@ class Bridge:
         #: are only kept if an earlier session of this bridge id subscribed).
         self.subscribed = threading.Event()
         #: Set once Kafka can take records: the idempotent producer has its producer id. Until
-        #: then a produced record waits (0.5-1 s after start against Tansu), so MQTT messages
+        #: then a produced record waits (until the producer id is granted), so MQTT messages
         #: taken off the broker's queue earlier would only sit unacknowledged in the bridge.
         self.kafka_ready = threading.Event()
         #: Set when the broker rejected the credentials (bad user name / password, not
@@ -157,7 +157,7 @@ class Bridge:
             "client.id": self.bridge_id,
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": self.settings.bridge_linger_ms,
+            "linger.ms": b.linger_ms,
             "compression.type": b.compression,
             # Never give up on a message: while Kafka is down we stop acking MQTT instead.
             "message.timeout.ms": 0,

@@ -1,7 +1,7 @@
 """Chaos harness: the whole pipeline as separate processes under steady load, killed at random.
 
 Shared by ``bench/chaos.py`` (20 kills) and ``tests/test_chaos.py`` (a few kills, a broker
-outage). The harness starts its own Mosquitto and Tansu on their own ports, then each role as
+outage). The harness starts its own Mosquitto and Apache Kafka on their own ports, then each role as
 its own process (``python -m lakehouse.cli run --role bridge|bronze|silver|gold``, settings from
 a JSON file written with ``Settings.save``) and a publisher sending known simulated telemetry
 (fixed clock start and seed, so every event id is known; some duplicates, some malformed
@@ -60,12 +60,18 @@ ROLE_QUERIES = {"bridge": (), "bronze": ("bronze",), "silver": ("silver",),
 WHOLE_RUN = "whole run"
 
 
-def free_port() -> int:
+def free_port(pair: bool = False) -> int:
+    """A free port; ``pair``: its successor is free too (the embedded Kafka's controller port)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from lakehouse.services import port_in_use
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not pair or (port < 65535 and not port_in_use(port + 1)):
+            return port
 
 
 @dataclass
@@ -89,7 +95,8 @@ class ChaosConfig:
     #: killed again, so kills land on a running pipeline rather than on a JVM still starting
     ready_timeout: float = 120.0
     mosquitto_outages: int = 0
-    tansu_outages: int = 0
+    #: the embedded Kafka is durable: an outage (SIGTERM, restart on the same log) loses nothing
+    kafka_outages: int = 0
     #: ``iotlake compact`` of every table (in this process, delta-rs) while the streams write,
     #: placed in the second half of the plan so there are small files to rewrite
     compactions: int = 0
@@ -190,7 +197,7 @@ class Role:
 
 def _data_files(table: str) -> int:
     """Files in the table's current version (0 before it exists)."""
-    from lakehouse.delta_io import open_table, table_exists
+    from lakehouse.delta_read import open_table, table_exists
 
     return len(open_table(table).file_uris()) if table_exists(table) else 0
 
@@ -304,21 +311,46 @@ def checkpoint_position(ckpt: str | Path) -> tuple[int, dict, bool] | None:
 def _rows(path: str) -> int:
     from deltalake import DeltaTable
 
-    from lakehouse.delta_io import table_exists
+    from lakehouse.delta_read import table_exists
 
     return DeltaTable(path).to_pyarrow_dataset().count_rows() if table_exists(path) else 0
 
 
-def caught_up(settings: Settings, published: int, kafka_too: bool = True) -> dict[str, bool]:
-    """Per layer: has it read everything upstream has (bronze also: >= published)?"""
-    from lakehouse.delta_source import latest_version
+def kafka_end_offsets(settings: Settings, timeout: float = 10.0) -> dict[int, int]:
+    """End offset (high watermark) per partition of the telemetry topic."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from lakehouse.kafka_config import client_config
+
+    topic = settings.kafka.topic
+    c = Consumer(client_config(settings, **{"group.id": "iotlake-chaos-probe",
+                                            "enable.auto.commit": False}))
+    try:
+        parts = c.list_topics(topic, timeout=timeout).topics[topic].partitions
+        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1]
+                for p in parts}
+    finally:
+        c.close()
+
+
+def _read_through(end: dict, version: int) -> bool:
+    """A Delta source end offset at or past everything of table ``version``: Delta's source
+    names the next (version, file index), -1 meaning before the version's first file."""
+    if "reservoirVersion" in end:
+        rv, index = end["reservoirVersion"], end.get("index", -1)
+        return rv > version or (rv == version and index >= 0)
+    return end.get("version") == version  # a hand-made source's offset (older checkpoints)
+
+
+def caught_up(settings: Settings, published: int) -> dict[str, bool]:
+    """Per layer: has it read everything upstream has (bronze: >= published, and every record
+    the durable Kafka holds)?"""
+    from lakehouse.delta_read import latest_version
 
     bronze_rows = _rows(settings.table_path("bronze"))
     state = {"bronze": bronze_rows >= published}
-    if kafka_too and state["bronze"]:
+    if state["bronze"]:
         try:
-            from lakehouse.kafka_source import kafka_end_offsets
-
             state["bronze"] = bronze_rows >= sum(kafka_end_offsets(settings).values())
         except Exception:  # noqa: BLE001 - broker busy: not caught up yet
             state["bronze"] = False
@@ -326,7 +358,7 @@ def caught_up(settings: Settings, published: int, kafka_too: bool = True) -> dic
                             ("gold_health", "silver")):
         pos = checkpoint_position(settings.checkpoint_path(query))
         v = latest_version(settings.table_path(upstream))
-        state[query] = pos is not None and pos[2] and pos[1].get("version") == v
+        state[query] = pos is not None and pos[2] and _read_through(pos[1], v)
     return state
 
 
@@ -336,7 +368,7 @@ def caught_up(settings: Settings, published: int, kafka_too: bool = True) -> dic
 def _table(settings: Settings, name: str, columns: list[str] | None = None):
     from deltalake import DeltaTable
 
-    from lakehouse.delta_io import table_exists
+    from lakehouse.delta_read import table_exists
 
     path = settings.table_path(name)
     if not table_exists(path):
@@ -556,7 +588,7 @@ class Chaos:
     def __init__(self, cfg: ChaosConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        kp = cfg.kafka_port or free_port()
+        kp = cfg.kafka_port or free_port(pair=True)
         mp = cfg.mqtt_port or free_port()
         self.plan = self._plan()
         self.settings = chaos_settings(cfg, kp, mp)
@@ -577,7 +609,7 @@ class Chaos:
         victims = [*cfg.roles, WHOLE_RUN]
         weights = [1.0] * len(cfg.roles) + [cfg.whole_run_weight]
         kinds = [rng.choices(victims, weights)[0] for _ in range(cfg.kills)]
-        for broker, n in (("mosquitto", cfg.mosquitto_outages), ("tansu", cfg.tansu_outages)):
+        for broker, n in (("mosquitto", cfg.mosquitto_outages), ("kafka", cfg.kafka_outages)):
             for _ in range(n):
                 kinds.insert(rng.randint(1, max(1, len(kinds))), f"broker:{broker}")
         for _ in range(cfg.compactions):
@@ -589,13 +621,13 @@ class Chaos:
 
     # -- brokers --
     def start_broker(self, name: str) -> None:
-        from lakehouse.services import ensure_topics, mosquitto_service, tansu_service
+        from lakehouse.services import ensure_topics, kafka_service, mosquitto_service
 
         s = self.settings
-        svc = (tansu_service(s, s.kafka.embedded_port) if name == "tansu"
+        svc = (kafka_service(s, s.kafka.embedded_port) if name == "kafka"
                else mosquitto_service(s, s.mqtt.embedded_port))
-        self.brokers[name] = svc.start(timeout=60)
-        if name == "tansu":
+        self.brokers[name] = svc.start(timeout=120)
+        if name == "kafka":
             ensure_topics(s)
 
     def stop_broker(self, name: str) -> None:
@@ -677,11 +709,10 @@ class Chaos:
     def drain(self, published: int) -> dict[str, bool]:
         """Wait until every layer caught up and stayed so; returns the last state."""
         deadline = time.monotonic() + self.cfg.drain_timeout
-        kafka_too = self.outages["tansu"] == 0
         stable, state = 0, {}
         while time.monotonic() < deadline:
             self.supervise()
-            state = caught_up(self.settings, published, kafka_too)
+            state = caught_up(self.settings, published)
             stable = stable + 1 if all(state.values()) else 0
             if stable >= 3:
                 return state
@@ -701,7 +732,7 @@ class Chaos:
                                 cfg.duplicate_fraction, cfg.malformed_fraction, chunk=chunk)
         publisher = None
         try:
-            self.start_broker("tansu")
+            self.start_broker("kafka")
             self.start_broker("mosquitto")
             for r in self.roles.values():
                 r.start()

@@ -1,6 +1,6 @@
 """``iotlake run`` (the live pipeline) and ``iotlake demo`` (a bounded, self-checking run).
 
-Both start what the settings do not point elsewhere (embedded Mosquitto and Tansu), the
+Both start what the settings do not point elsewhere (embedded Mosquitto and Apache Kafka), the
 MQTT -> Kafka bridge and the bronze -> silver -> gold streams, and stop all of it on Ctrl-C or
 SIGTERM. ``--role`` runs one piece per process, for deployments with one process per pod.
 """
@@ -27,14 +27,14 @@ ROLES = ("all", "bridge", "streams", "bronze", "silver", "gold")
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event, hurry: threading.Event | None = None) -> Iterator[None]:
     """SIGTERM/SIGINT set ``stop`` so shutdown is orderly (queries stopped, brokers closed); a
-    second one sets ``hurry``: skip the waits for Kafka to drain and batches to finish."""
+    second one sets ``hurry``: skip the wait for running batches to finish."""
     previous = {}
 
     def handler(signum, _frame):
         name = signal.Signals(signum).name
         if stop.is_set() and hurry is not None:
             log.warning("signal %s again: stopping now (running batches are replayed at "
-                        "restart; what the embedded Kafka holds unread is lost)", name)
+                        "restart)", name)
             hurry.set()
             return
         log.info("signal %s: shutting down (again to skip the waits)", name)
@@ -163,47 +163,9 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
                 check_alive(running.queries)
             if bridge is not None:
                 check_bridge(bridge)
-        if bridge is not None and running is not None and "bronze" in running.queries \
-                and not settings.kafka.bootstrap:
-            sim_stop.set()
-            drain_embedded_kafka(settings, bridge, running.queries["bronze"], hurry)
     log.info("iotlake stopped")
     return 0
 
-
-def drain_embedded_kafka(settings: Settings, bridge, bronze,
-                         hurry: threading.Event | None = None, poll: float = 0.2) -> bool:
-    """Before the embedded (in-memory) Kafka stops: stop the bridge (MQTT keeps what it did not
-    acknowledge), then let bronze read what Kafka holds, for at most
-    ``kafka.embedded_drain_seconds``. Otherwise what the bridge delivered in the last trigger
-    interval is lost with the broker. True if bronze caught up."""
-    from lakehouse.kafka_source import kafka_end_offsets, partition_offsets
-
-    bridge.stop_requested.set()
-    bridge.thread.join(30)
-    try:
-        ends = kafka_end_offsets(settings)
-    except Exception as e:  # noqa: BLE001 - Kafka already gone: nothing left to save
-        log.warning("drain: Kafka end offsets unavailable (%s); stopping without draining", e)
-        return False
-    deadline = time.monotonic() + settings.kafka.embedded_drain_seconds
-    while True:
-        read = {}
-        if bronze.lastProgress and bronze.lastProgress.get("sources"):
-            end = bronze.lastProgress["sources"][0].get("endOffset") or {}
-            read = partition_offsets(json.loads(end) if isinstance(end, str) else end)
-        left = sum(max(0, e - read.get(p, 0)) for p, e in ends.items())
-        if not left:
-            log.info("drain: bronze read every record the embedded Kafka holds")
-            return True
-        if not bronze.isActive or time.monotonic() > deadline or (hurry and hurry.is_set()):
-            why = ("a second signal" if hurry and hurry.is_set() else "bronze stopped"
-                   if not bronze.isActive else
-                   f"kafka.embedded_drain_seconds = {settings.kafka.embedded_drain_seconds}")
-            log.warning("drain: bronze is %d records short of the embedded Kafka's end (%s); "
-                        "they are lost with it", left, why)
-            return False
-        time.sleep(poll)
 
 
 def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | None = None,
@@ -256,7 +218,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
 def _rows(path: str) -> int:
     from deltalake import DeltaTable
 
-    from lakehouse.delta_io import table_exists
+    from lakehouse.delta_read import table_exists
 
     if not table_exists(path):
         return 0
@@ -264,7 +226,7 @@ def _rows(path: str) -> int:
 
 
 def _quality_totals(settings: Settings) -> dict[str, int]:
-    from lakehouse.delta_io import read_table, table_exists
+    from lakehouse.delta_read import read_table, table_exists
 
     path = settings.table_path("quality_log")
     if not table_exists(path):

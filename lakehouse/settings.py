@@ -27,8 +27,6 @@ from pydantic import (
 from lakehouse.storage import is_uri
 
 ENV_PREFIX = "IOTLAKE_"
-#: bridge.linger_ms = -1 (auto): against a Kafka cluster / the embedded Tansu.
-LINGER_MS_CLUSTER, LINGER_MS_EMBEDDED = 5, 50
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
 _NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN", "IOTLAKE_EXTENDED_TESTS"}
 DEFAULT_FILE = "iotlake.toml"
@@ -51,19 +49,35 @@ class _Section(BaseModel):
 
 
 class KafkaSettings(_Section):
-    """Kafka cluster. An empty ``bootstrap`` means: start the embedded Tansu broker."""
+    """Kafka cluster. An empty ``bootstrap`` means: start the embedded Apache Kafka (one KRaft
+    node, log under ``<data_root>/run/kafka-<embedded_port>``; lakehouse.services)."""
 
     bootstrap: str = ""
     embedded_port: int = Field(19092, ge=1, le=65535)
-    # The embedded Tansu keeps records in memory: on a graceful stop `iotlake run` stops the
-    # bridge, then lets bronze read what Kafka holds for at most this long before stopping it.
-    embedded_drain_seconds: float = Field(60.0, ge=0)
+    # The embedded node's KRaft controller listener; 0 = embedded_port + 1.
+    embedded_controller_port: int = Field(0, ge=0, le=65535)
+    # Retention of the embedded broker, per partition: records older than this many hours, or
+    # beyond this many bytes (-1: no size limit), are deleted a closed segment at a time.
+    # Bronze must read them before: data it had not read fails it (stream.kafka_fail_on_data_loss).
+    embedded_retention_hours: int = Field(168, ge=1)
+    embedded_retention_bytes: int = Field(1 << 30, ge=-1)
+    # Segment size: retention deletes whole closed segments, so this is its granularity.
+    embedded_segment_bytes: int = Field(64 << 20, ge=1 << 20)
+    # JVM heap of the embedded broker (its RSS is roughly heap in use + ~100 MB).
+    embedded_heap_mb: int = Field(256, ge=64)
     topic: str = "telemetry"
     dead_letter_topic: str = "telemetry-dlq"
     partitions: int = Field(4, ge=1, le=1024)
     # Extra librdkafka properties (e.g. security.protocol, sasl.*), passed through verbatim.
     # Not in repr: it may hold sasl.password / ssl.key.password.
     client_config: dict[str, str] = Field(default_factory=dict, repr=False)
+
+    @field_validator("embedded_retention_bytes")
+    @classmethod
+    def _retention_bytes(cls, v: int) -> int:
+        if v != -1 and v < 1 << 20:
+            raise ValueError("must be -1 (no size limit) or at least 1048576 (1 MiB)")
+        return v
 
 
 class MqttSettings(_Section):
@@ -110,10 +124,8 @@ class BridgeSettings(_Section):
     # and no longer knows the producer's id): start over with a new producer and re-read
     # everything unacknowledged from MQTT.
     delivery_stall_seconds: float = Field(30.0, gt=0)
-    # -1 = auto: 5 ms against a Kafka cluster (``kafka.bootstrap`` set), 50 ms against the embedded
-    # Tansu, whose in-memory store spends per request in proportion to the record batches it
-    # holds: small batches (5 ms of a few hundred msg/s) slow it down within minutes.
-    linger_ms: int = Field(-1, ge=-1)
+    # librdkafka's linger.ms: how long the producer waits to fill a batch.
+    linger_ms: int = Field(5, ge=0)
     compression: str = Field("lz4", pattern=r"^(none|lz4|zstd|snappy|gzip)$")
 
 
@@ -313,13 +325,6 @@ class Settings(_Section):
     @property
     def kafka_bootstrap(self) -> str:
         return self.kafka.bootstrap or f"127.0.0.1:{self.kafka.embedded_port}"
-
-    @property
-    def bridge_linger_ms(self) -> int:
-        """``bridge.linger_ms``, with -1 resolved for the Kafka in use (see BridgeSettings)."""
-        if self.bridge.linger_ms >= 0:
-            return self.bridge.linger_ms
-        return LINGER_MS_CLUSTER if self.kafka.bootstrap else LINGER_MS_EMBEDDED
 
     @property
     def mqtt_endpoint(self) -> tuple[str, int]:

@@ -55,7 +55,7 @@ def services_settings(base_dir: Path) -> Settings:
 
 @pytest.fixture(scope="session")
 def brokers(services_settings: Settings):
-    """Tansu + Mosquitto, started once for the whole test session."""
+    """Apache Kafka + Mosquitto, started once for the whole test session."""
     with embedded_services(services_settings) as started:
         yield started
 

@@ -1,4 +1,4 @@
-"""Bridge end to end on real Mosquitto + Tansu: exactly-once without faults, nothing lost across
+"""Bridge end to end on real Mosquitto + Apache Kafka: exactly-once without faults, nothing lost across
 kill -9, dead letters with reasons, shared subscriptions, backpressure while Kafka is down."""
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ def derive(settings: Settings, **changes) -> Settings:
 
 def consume(settings: Settings, topic: str, expect: int | None = None, idle: float = 2.0,
             timeout: float = 60.0, expect_ids: set[str] | None = None) -> list:
-    """All records of ``topic``. Tansu's high watermark is unreliable, so read until nothing
-    arrived for ``idle`` seconds (or ``expect`` records, or every id of ``expect_ids``, were
+    """All records of ``topic``: read until nothing arrived for ``idle`` seconds (or ``expect`` records, or every id of ``expect_ids``, were
     read and then ``idle`` passed). Under at-least-once delivery a count can be reached by
     duplicates while a re-delivery is still on its way: wait for the ids there."""
     c = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": f"t-{time.time_ns()}",
@@ -136,8 +135,8 @@ class _FatalOnClose(Producer):
 @pytest.mark.parametrize("close_fails", [False, True], ids=["close-ok", "close-fatal"])
 def test_fall_back_to_a_report_per_record_mid_stream_loses_nothing(settings, caplog, monkeypatch,
                                                                    close_fails: bool):
-    """An unexpected Kafka error under per-round delivery reports (injected here: Tansu rejects
-    nothing) makes the bridge switch to a report per record and re-read everything not yet
+    """An unexpected Kafka error under per-round delivery reports (injected here: the broker
+    rejects nothing) makes the bridge switch to a report per record and re-read everything not yet
     acknowledged from MQTT: every message arrives, none is acked unconfirmed. The old
     producer's fatal error on close (purged in flight) does not stop the bridge."""
     if close_fails:
@@ -269,9 +268,9 @@ def test_kill9_loses_nothing(settings, tmp_path):
 
 def test_backpressure_when_kafka_down(settings, services_settings):
     """Kafka unreachable: the bridge stops at max_inflight unacked, then resumes on its own."""
-    from lakehouse.services import port_in_use, tansu_service
+    from lakehouse.services import kafka_service, port_in_use
 
-    port = services_settings.kafka.embedded_port + 7
+    port = services_settings.kafka.embedded_port + 7  # its controller: + 8
     if port_in_use(port):
         pytest.skip(f"port {port} busy")
     s = derive(settings, kafka={"bootstrap": f"127.0.0.1:{port}"},
@@ -284,8 +283,8 @@ def test_backpressure_when_kafka_down(settings, services_settings):
         st = b.stats
         assert st["in_flight"] == 100 and st["acked"] == 0 and st["received"] <= 101
         assert not b.kafka_ready.is_set()
-        tansu = tansu_service(derive(s, data_root=str(Path(s.data_root) / "k2")), port).start()
-        cleanup.callback(tansu.stop)  # runs after the bridge stopped
+        kafka = kafka_service(derive(s, data_root=str(Path(s.data_root) / "k2")), port).start()
+        cleanup.callback(kafka.stop)  # runs after the bridge stopped
         ensure_topics(s)
         got = consume(s, s.kafka.topic, timeout=90, expect_ids={m.event_id for m in msgs})
         stats = b.stats
@@ -294,41 +293,52 @@ def test_backpressure_when_kafka_down(settings, services_settings):
     assert stats["in_flight"] == 0 and stats["acked"] == 600
 
 
-def test_kafka_down_mid_stream_then_back(settings, services_settings, caplog):
-    """Kafka goes away mid-stream and comes back (empty, as the embedded Tansu does, which also
-    forgets the producer's id): the bridge holds at most max_inflight unacknowledged meanwhile,
-    then delivers everything MQTT kept for it."""
-    from lakehouse.services import port_in_use, tansu_service
+@pytest.mark.parametrize("comes_back", ["durable", "empty"])
+def test_kafka_down_mid_stream_then_back(settings, services_settings, caplog, comes_back):
+    """Kafka goes away mid-stream and comes back, with its log (the embedded broker) or empty (a
+    cluster rebuilt, which also forgets the producer's id): the bridge holds at most
+    max_inflight unacknowledged meanwhile, then delivers everything MQTT kept for it."""
+    import shutil
 
-    port = services_settings.kafka.embedded_port + 8
-    if port_in_use(port):
+    from lakehouse.services import kafka_service, port_in_use
+
+    port = services_settings.kafka.embedded_port + 9  # its controller: + 10
+    if port_in_use(port) or port_in_use(port + 1):
         pytest.skip(f"port {port} busy")
     s = derive(settings, kafka={"bootstrap": f"127.0.0.1:{port}"},
                bridge={"max_inflight": 100, "delivery_stall_seconds": 3})
     broker_settings = derive(s, data_root=str(Path(s.data_root) / "k3"))
     msgs = generate(s, 600, devices=5, seed=10)
     with contextlib.ExitStack() as cleanup:
-        tansu = tansu_service(broker_settings, port).start()
+        kafka = kafka_service(broker_settings, port).start()
         ensure_topics(s)
         b = cleanup.enter_context(running(Bridge(s, "b-mid")))
         publish(s, msgs[:300])
         assert len(consume(s, s.kafka.topic, expect=300)) >= 300
-        tansu.stop()
+        kafka.stop()
+        if comes_back == "empty":
+            shutil.rmtree(broker_settings.run_dir / f"kafka-{port}")
         publish(s, msgs[300:])  # Mosquitto takes them; the bridge can deliver none
         time.sleep(2)
         assert b.stats["in_flight"] <= 100  # bounded while Kafka is away
-        tansu = tansu_service(broker_settings, port).start()
-        cleanup.callback(tansu.stop)  # runs after the bridge stopped
+        kafka = kafka_service(broker_settings, port).start()
+        cleanup.callback(kafka.stop)  # runs after the bridge stopped
         ensure_topics(s)
         got = consume(s, s.kafka.topic, timeout=90, expect_ids={m.event_id for m in msgs[300:]})
         deadline = time.monotonic() + 30
         while b.stats["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.1)
         stats = b.stats
-    assert {m.event_id for m in msgs[300:]} <= set(ids_of(got))
     assert stats["in_flight"] == 0
-    # the returned broker did not know the producer's id: the bridge started over by itself
-    assert "starting over with a new Kafka producer" in caplog.text
+    if comes_back == "empty":
+        assert {m.event_id for m in msgs[300:]} <= set(ids_of(got))
+        # the returned broker did not know the producer's id: the bridge started over by itself
+        assert "starting over with a new Kafka producer" in caplog.text
+    else:  # nothing lost; the broker kept the producer's id, so its retries were not written
+        # twice (a bridge that started over re-reads MQTT's unacknowledged messages: at least once)
+        assert set(ids_of(got)) == {m.event_id for m in msgs}
+        if "starting over with a new Kafka producer" not in caplog.text:
+            assert len(got) == len(msgs)
 
 
 def _free_port() -> int:

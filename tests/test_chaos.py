@@ -1,4 +1,4 @@
-"""Chaos: kill -9 pipeline processes and stop Mosquitto under load; nothing lost, nothing
+"""Chaos: kill -9 pipeline processes and stop Mosquitto and Kafka under load; nothing lost, nothing
 duplicated, gold exact (the short version of ``bench/chaos.py``, same harness)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, TopicPartition
+from deltalake import write_deltalake
 
 from ingest.simulator import generate
 from lakehouse.chaos import (
@@ -22,7 +23,6 @@ from lakehouse.chaos import (
     run_chaos,
     snapshot_files,
 )
-from lakehouse.delta_io import append_arrow, ensure_table
 from lakehouse.run import bridge_thread
 from lakehouse.services import mosquitto_service
 from lakehouse.settings import Settings, load_settings
@@ -30,14 +30,14 @@ from lakehouse.tables import METRIC_WINDOWS
 
 
 @pytest.mark.slow
-def test_chaos_kills_and_mosquitto_outage(tmp_path: Path) -> None:
-    """3 kill -9s (bridge, whole run, bridge), one Mosquitto stop/start and one compaction of every
-    table under steady load.
+def test_chaos_kills_and_broker_outages(tmp_path: Path) -> None:
+    """3 kill -9s (bridge, whole run, bridge), one Mosquitto and one Kafka stop/start and one
+    compaction of every table under steady load.
 
     Event time runs 20x faster than the clock, so a one-minute run closes windows under the 10 min
     watermark and the final-window tables are checked with rows in them."""
     cfg = ChaosConfig(root=tmp_path, kills=3, rate=40, devices=10, seed=8, roles=("bridge", "streams"),
-                      mosquitto_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=90,
+                      mosquitto_outages=1, kafka_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=90,
                       warmup_seconds=3, tail_seconds=3, drain_timeout=300, trigger_seconds=0.5,
                       event_time_speedup=20, compactions=1)
     t0 = time.monotonic()
@@ -45,7 +45,7 @@ def test_chaos_kills_and_mosquitto_outage(tmp_path: Path) -> None:
     print("\nchaos:", json.dumps({k: v for k, v in r.items() if k != "detail"}), json.dumps(r["detail"]))
     assert r["kills"] == 3 and r["whole_run_kills"] == 1
     assert r["kills_by_role"] == {"bridge": 3, "streams": 1}  # whole run kills both
-    assert r["broker_outages"] == {"mosquitto": 1}
+    assert r["broker_outages"] == {"mosquitto": 1, "kafka": 1}
     assert len(r["compacted_files"]) == 1 and r["compacted_files"][0] > 0  # it rewrote files
     assert r["published"] > 0 and r["bronze_rows"] >= r["published"]
     assert (r["lost"], r["duplicated"], r["mismatched_windows"]) == (0, 0, 0), r["detail"]
@@ -77,9 +77,8 @@ def test_end_of_run_checks_catch_bad_final_windows_and_missing_files(tmp_path: P
     tables = {"gold_metrics_1m": [merged], "gold_metrics_1m_final": [[(0, 20.0), (2, 22.5)], [(0, 20.0), (9, 1.0)]],
               "gold_metrics_5m": [merged], "gold_metrics_5m_final": [merged[:2]]}
     for name, batches in tables.items():
-        ensure_table(s.table_path(name), METRIC_WINDOWS)
-        for i, rows in enumerate(batches):
-            append_arrow(s.table_path(name), _windows(rows), "test", i)
+        for rows in batches:
+            write_deltalake(s.table_path(name), _windows(rows), mode="append")
     assert final_window_problems(s) == {
         "gold_metrics_1m_final": {"rows": 4, "duplicate_keys": 1, "not_in_merged": 1, "differ": 1,
                                   "never_final": 2},  # minutes 1 and 3 end before minute 9 does

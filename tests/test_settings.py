@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lakehouse.cli import main
-from lakehouse.services import ServiceError, tansu_service
+from lakehouse.services import ServiceError, kafka_service
 from lakehouse.settings import SettingsError, load_settings
 
 
@@ -63,8 +63,13 @@ def test_taken_port_gives_clear_error(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        with pytest.raises(ServiceError, match=rf"port {port} is already in use"):
-            tansu_service(s, port=port).start()
+        with pytest.raises(ServiceError, match=rf"port {port} is already in use.*"
+                                               r"IOTLAKE_KAFKA__EMBEDDED_PORT"):
+            kafka_service(s, port=port).start()
+        # the embedded Kafka's controller listens on the next port
+        with pytest.raises(ServiceError, match=rf"port {port} is already in use.*"
+                                               r"IOTLAKE_KAFKA__EMBEDDED_CONTROLLER_PORT"):
+            kafka_service(s, port=port - 1).start()
 
 
 def test_shuffle_partitions_auto_follows_the_local_cores() -> None:
@@ -96,10 +101,28 @@ def test_each_layer_gets_its_trigger_interval() -> None:
     assert ms({"windows_trigger_seconds": 10}, "") == "500 milliseconds"
 
 
-def test_bridge_linger_auto_follows_the_kafka_in_use() -> None:
-    """Tansu's in-memory store slows with every record batch it holds: bigger batches there."""
-    assert load_settings(environ={}).bridge_linger_ms == 50  # embedded Tansu
-    assert load_settings(environ={}, kafka={"bootstrap": "kafka-1:9092"}).bridge_linger_ms == 5
-    assert load_settings(environ={"IOTLAKE_BRIDGE__LINGER_MS": "7"}).bridge_linger_ms == 7
+def test_embedded_kafka_settings() -> None:
+    s = load_settings(environ={})
+    assert s.bridge.linger_ms == 5
+    k = s.kafka
+    assert (k.embedded_port, k.embedded_controller_port, k.embedded_retention_hours,
+            k.embedded_retention_bytes, k.embedded_segment_bytes, k.embedded_heap_mb) == (
+        19092, 0, 168, 1 << 30, 64 << 20, 256)
+    env = {"IOTLAKE_KAFKA__EMBEDDED_RETENTION_BYTES": "-1", "IOTLAKE_BRIDGE__LINGER_MS": "7"}
+    s = load_settings(environ=env)
+    assert s.kafka.embedded_retention_bytes == -1 and s.bridge.linger_ms == 7
+    with pytest.raises(SettingsError, match="kafka.embedded_retention_bytes"):
+        load_settings(environ={"IOTLAKE_KAFKA__EMBEDDED_RETENTION_BYTES": "1000"})
     with pytest.raises(SettingsError, match="linger_ms"):
-        load_settings(environ={"IOTLAKE_BRIDGE__LINGER_MS": "-2"})
+        load_settings(environ={"IOTLAKE_BRIDGE__LINGER_MS": "-1"})
+
+
+def test_embedded_kafka_controller_port_never_collides() -> None:
+    """Test workers' brokers are 100 ports apart, `make run`'s at 19092: controllers at + 1."""
+    from lakehouse.services import kafka_controller_port
+
+    s = load_settings(environ={})
+    assert kafka_controller_port(s, 19092) == 19093
+    assert kafka_controller_port(s, 29092) == 29093 and kafka_controller_port(s, 29192) == 29193
+    s = load_settings(environ={"IOTLAKE_KAFKA__EMBEDDED_CONTROLLER_PORT": "40000"})
+    assert kafka_controller_port(s, 19092) == 40000
