@@ -1,27 +1,34 @@
-"""Table maintenance with delta-rs: compaction, vacuum, restore, history.
+"""Table maintenance with delta-spark: compaction (OPTIMIZE / ZORDER BY), vacuum, restore, history.
 
 Streaming sinks commit a few small files per micro-batch, and scan time grows with file count, so
-``compact`` bin-packs them (and Z-orders tables queried by device and time). Compaction commits
-carry ``dataChange=false``: the Delta streaming source (``lakehouse.delta_source``) skips them, so
-rewritten rows are never delivered twice. Every operation plans from the latest snapshot and does
-nothing when there is nothing to do, so a retried task is harmless.
+``compact`` bin-packs them (and Z-orders tables queried by device and time). OPTIMIZE commits
+carry ``dataChange=false``: Delta's streaming source skips them, so rewritten rows are never
+delivered twice. Every operation plans from the latest snapshot and does nothing when there is
+nothing to do, so a retried task is harmless; commit conflicts with the live streams are retried
+(``delta_tables.retry_conflicts``).
+
+Z-order, not liquid clustering: clustering adds the ``clustering`` writer feature and domain
+metadata to every table, and measured no faster here (``bench/compaction.py``; figures in
+``docs/benchmarks.md``). Cheap look-ups (does the table exist, its files, the version at a time)
+go through delta-rs (``lakehouse.delta_read``), without a JVM.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from deltalake import DeltaTable
-from deltalake.exceptions import CommitFailedError, DeltaError
-
-from lakehouse.delta_io import table_exists
+from lakehouse.delta_read import open_table, table_exists
+from lakehouse.delta_tables import retry_conflicts
 from lakehouse.settings import Settings
 from lakehouse.tables import SCHEMAS
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable as RsTable
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,9 +47,18 @@ ZORDER_COLUMNS: dict[str, tuple[str, str]] = {
     "anomalies": ("device_id", "event_time"),
 }
 
-#: Z-order rewrites the whole (unpartitioned) table, so it runs only when not-yet-compacted
-#: small files hold at least this share of the bytes; otherwise plain bin-packing.
+#: Z-order rewrites the whole table, so it runs only when not-yet-compacted small files hold at
+#: least this share of the bytes; otherwise plain bin-packing (which leaves big files alone).
 ZORDER_MIN_FRACTION = 0.1
+
+
+def session(settings: Settings) -> SparkSession:
+    """The active Spark session, else a local one for this command (a CLI run, a DAG task)."""
+    from pyspark.sql import SparkSession
+
+    from lakehouse.spark import spark_session
+
+    return SparkSession.getActiveSession() or spark_session(settings, app_name="iotlake-maintenance")
 
 
 def resolve_tables(settings: Settings, tables: Iterable[str] | None = None) -> list[str]:
@@ -65,40 +81,56 @@ def _existing(settings: Settings, table: str) -> str:
     return path
 
 
-def _retry(op: Callable[[], T], what: str, attempts: int = 6) -> T:
-    """Run ``op`` again on a commit conflict with a concurrent writer (jittered backoff)."""
-    for attempt in range(attempts):
-        try:
-            return op()
-        except CommitFailedError as e:
-            if attempt == attempts - 1:
-                raise
-            delay = min(30.0, 0.5 * 2**attempt) * (0.5 + random.random())
-            log.warning("%s: commit conflict (%s); retrying in %.1fs", what, e, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+def _retry(op: Callable[[], T], what: str) -> T:
+    return retry_conflicts(op, what)
 
 
-def _file_sizes(dt: DeltaTable) -> list[int]:
-    return dt.get_add_actions(flatten=True).column("size_bytes").to_pylist()
+@contextmanager
+def _confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
+    """Session confs for one operation, then back to what they were."""
+    old = {k: spark.conf.get(k, None) for k in confs}
+    for k, v in confs.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
 
 
-def _compact_table(path: str, table: str, target_size: int, zorder: bool) -> dict[str, Any]:
-    dt = DeltaTable(path)
-    sizes, version_before = _file_sizes(dt), dt.version()
+def _files(path: str) -> dict[str, int]:
+    """Current data files -> size (delta-rs: no Spark job for it)."""
+    adds = open_table(path).get_add_actions(flatten=True)
+    return dict(zip(adds.column("path").to_pylist(), adds.column("size_bytes").to_pylist(), strict=True))
+
+
+def _compact_table(spark: SparkSession, path: str, table: str, target_size: int,
+                   zorder: bool) -> dict[str, Any]:
+    from delta.tables import DeltaTable
+
+    rs = open_table(path)
+    version_before, sizes = rs.version(), list(_files(path).values())
     cols = ZORDER_COLUMNS.get(table) if zorder else None
-    if cols and not set(cols) <= set(dt.schema().to_arrow().names):
+    if cols and not set(cols) <= set(rs.schema().to_arrow().names):
         cols = None
     small = [s for s in sizes if s < target_size // 2]
-    if cols and len(small) > 1 and sum(small) >= ZORDER_MIN_FRACTION * sum(sizes):
-        mode, metrics = "zorder", dt.optimize.z_order(cols, target_size=target_size)
-    else:
-        mode, metrics = "compact", dt.optimize.compact(target_size=target_size)
-    after = DeltaTable(path)
-    changed = after.version() != version_before and bool(metrics.get("numFilesRemoved"))
+    mode = "zorder" if cols and len(small) > 1 and sum(small) >= ZORDER_MIN_FRACTION * sum(sizes) \
+        else "compact"
+    # files below minFileSize are candidates; bins are filled up to maxFileSize
+    with _confs(spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_size),
+                        "spark.databricks.delta.optimize.minFileSize": str(max(1, target_size // 2))}):
+        opt = DeltaTable.forPath(spark, path).optimize()
+        result = opt.executeZOrderBy(*cols) if mode == "zorder" and cols else opt.executeCompaction()
+    row = result.collect()[0].asDict(recursive=True)
+    metrics = row.get("metrics") or {}
+    after = open_table(path).version()
+    changed = after != version_before and bool(metrics.get("numFilesRemoved"))
     return {"table": table, "mode": mode if changed else "noop", "files_before": len(sizes),
-            "files_after": len(_file_sizes(after)), "files_removed": metrics.get("numFilesRemoved", 0),
-            "files_added": metrics.get("numFilesAdded", 0), "version": after.version()}
+            "files_after": len(_files(path)), "files_removed": metrics.get("numFilesRemoved", 0),
+            "files_added": metrics.get("numFilesAdded", 0), "version": after}
 
 
 def compact(settings: Settings, tables: list[str] | None = None, target_size: int | None = None,
@@ -109,13 +141,16 @@ def compact(settings: Settings, tables: list[str] | None = None, target_size: in
     """
     size = target_size or settings.maintenance.target_file_size
     use_z = settings.maintenance.zorder if zorder is None else zorder
-    out = []
+    out: list[dict[str, Any]] = []
+    spark = None
     for table in resolve_tables(settings, tables):
         path = settings.table_path(table)
         if not table_exists(path):
             out.append({"table": table, "mode": "missing"})
             continue
-        stats = _retry(lambda p=path, t=table: _compact_table(p, t, size, use_z), f"compact {table}")
+        spark = spark or session(settings)
+        stats = _retry(lambda p=path, t=table: _compact_table(spark, p, t, size, use_z),
+                       f"compact {table}")
         log.info("compact %s: %s", table, stats)
         out.append(stats)
     return out
@@ -136,34 +171,59 @@ def effective_retention(settings: Settings, requested: int | None = None,
     return hours
 
 
+def _quoted(path: str) -> str:
+    return "delta.`" + path.replace("`", "``") + "`"
+
+
 def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours: int | None = None,
            dry_run: bool = False, enforce_retention_duration: bool = True) -> list[dict[str, Any]]:
-    """Delete files no version within the retention references (incl. crash leftovers).
+    """Delete files no version within the retention references (incl. crash leftovers: Delta's
+    VACUUM removes every unreferenced file older than the retention, not only tombstones).
 
-    Default retention: max(168 h, ``maintenance.vacuum_retention_hours``).
+    Default retention: max(168 h, ``maintenance.vacuum_retention_hours``). ``deleted`` lists the
+    files the dry run found just before deleting.
     """
     hours = effective_retention(settings, retention_hours, enforce_retention_duration)
-    out = []
+    out: list[dict[str, Any]] = []
+    spark = None
     for table in resolve_tables(settings, tables):
         path = settings.table_path(table)
         if not table_exists(path):
             out.append({"table": table, "deleted": [], "status": "missing"})
             continue
-        # full=True also removes files of commits that never happened (crashed batches, failed
-        # compactions); the retention keeps files of in-flight commits, which are seconds old.
-        deleted = _retry(lambda p=path: DeltaTable(p).vacuum(
-            retention_hours=hours, dry_run=dry_run, full=True,
-            enforce_retention_duration=enforce_retention_duration), f"vacuum {table}")
+        spark = spark or session(settings)
+        # our own check above is the policy; Delta's duplicate check only when enforcing. The
+        # file listing runs parallelPartitionDiscovery.parallelism tasks (10,000 by default:
+        # minutes of task overhead for a small table); one per core is plenty.
+        confs = {"spark.databricks.delta.retentionDurationCheck.enabled":
+                 str(enforce_retention_duration).lower(),
+                 "spark.sql.sources.parallelPartitionDiscovery.parallelism":
+                 str(max(2, spark.sparkContext.defaultParallelism))}
+        sql = f"VACUUM {_quoted(path)} RETAIN {hours} HOURS"
+        with _confs(spark, confs):
+            listed = _retry(lambda s=sql: [r[0] for r in spark.sql(s + " DRY RUN").collect()],
+                            f"vacuum {table}")
+            if listed and not dry_run:
+                _retry(lambda s=sql: spark.sql(s).collect(), f"vacuum {table}")
+        deleted = sorted(_relative(path, f) for f in listed)
         log.info("vacuum %s (%s h, dry_run=%s): %d files", table, hours, dry_run, len(deleted))
         out.append({"table": table, "retention_hours": hours, "dry_run": dry_run,
-                    "deleted": sorted(deleted), "version": DeltaTable(path).version()})
+                    "deleted": deleted, "version": open_table(path).version()})
     return out
 
 
-def _load_at(path: str, table: str, target: int | datetime) -> DeltaTable:
+def _relative(table_path: str, file: str) -> str:
+    """A file's path relative to the table (VACUUM lists absolute URIs)."""
+    for prefix in (table_path.rstrip("/") + "/", "file:" + table_path.rstrip("/") + "/"):
+        if file.startswith(prefix):
+            return file[len(prefix):]
+    return file
+
+
+def _load_at(path: str, table: str, target: int | datetime) -> RsTable:
     """The table at a version, or at the version current at a time (an error before creation;
     delta-rs would silently pick version 0)."""
-    dt = DeltaTable(path)
+    dt = open_table(path)
     try:
         dt.load_as_version(target)
     except Exception as e:  # delta-rs raises several types for out-of-range targets
@@ -185,40 +245,45 @@ def parse_timestamp(value: str) -> datetime:
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
+def _paths(dt: RsTable) -> set[str]:
+    return set(dt.get_add_actions(flatten=True).column("path").to_pylist())
+
+
 def restore(settings: Settings, table: str, version: int | None = None,
             timestamp: str | None = None) -> dict[str, Any]:
     """Make the table's current state equal an older version (a new commit; history is kept).
 
     Restore is a data change: streams reading this table re-read the re-added files and do not
-    see the removals, so reprocess downstream layers afterwards. A no-op when already equal.
+    see the removals, so reprocess downstream layers afterwards. A no-op when already equal. A
+    timestamp resolves to the version current then (as ``version_at``), so a retry restores
+    the same version.
     """
+    from delta.tables import DeltaTable
+
     if (version is None) == (timestamp is None):
         raise ValueError("restore needs exactly one of version or timestamp")
     path = _existing(settings, table)
     target: int | datetime = version if version is not None else parse_timestamp(timestamp or "")
+    spark = None
 
     def run() -> dict[str, Any]:
-        dt, old = DeltaTable(path), _load_at(path, table, target)
-        if set(_paths(dt)) == set(_paths(old)) and dt.schema().to_json() == old.schema().to_json():
+        nonlocal spark
+        dt, old = open_table(path), _load_at(path, table, target)
+        if _paths(dt) == _paths(old) and dt.schema().to_json() == old.schema().to_json():
             return {"table": table, "restored_to": old.version(), "version": dt.version(),
                     "noop": True}
+        spark = spark or session(settings)
         try:
-            metrics = dt.restore(old.version())
-        except CommitFailedError:
-            raise
-        except DeltaError as e:
-            if "missing file" not in str(e).lower():
+            row = DeltaTable.forPath(spark, path).restoreToVersion(old.version()).collect()[0]
+        except Exception as e:  # noqa: BLE001 - py4j: match Delta's error class by name
+            if "DELTA_CANNOT_RESTORE_FILES_MISSING" not in str(e) and "missing" not in str(e).lower():
                 raise
             raise ValueError(f"{table}: version {old.version()} references files vacuum already "
-                             f"deleted (older than the retention); pick a newer version") from e
-        return {"table": table, "restored_to": old.version(), "version": DeltaTable(path).version(),
-                "noop": False, **metrics}
+                             f"deleted (older than the retention); pick a newer version") from None
+        return {"table": table, "restored_to": old.version(), "version": open_table(path).version(),
+                "noop": False, **row.asDict()}
 
     return _retry(run, f"restore {table}")
-
-
-def _paths(dt: DeltaTable) -> list[str]:
-    return dt.get_add_actions(flatten=True).column("path").to_pylist()
 
 
 def version_at(settings: Settings, table: str, timestamp: datetime) -> int:
@@ -227,5 +292,11 @@ def version_at(settings: Settings, table: str, timestamp: datetime) -> int:
 
 
 def table_history(settings: Settings, table: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """Commits, newest first (operation, parameters, metrics, timestamp, version)."""
-    return DeltaTable(_existing(settings, table)).history(limit)
+    """Commits, newest first (version, timestamp, operation, parameters, metrics...)."""
+    from delta.tables import DeltaTable
+
+    path = _existing(settings, table)
+    spark = session(settings)
+    dt = DeltaTable.forPath(spark, path)
+    rows = (dt.history(limit) if limit else dt.history()).collect()
+    return [{k: v for k, v in r.asDict(recursive=True).items() if v is not None} for r in rows]

@@ -28,15 +28,19 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def _guarded(func: Callable[[argparse.Namespace, Settings], int]) -> Callable[..., int]:
-    """Storage and Delta failures become one clear line and exit 1 (bad input stays exit 2)."""
+    """Storage, Spark and Delta failures become one clear line and exit 1 (bad input stays
+    exit 2)."""
 
     def run(args: argparse.Namespace, settings: Settings) -> int:
         from deltalake.exceptions import DeltaError
+        from py4j.protocol import Py4JError
+        from pyspark.errors import PySparkException
 
         try:
             return func(args, settings)
-        except (DeltaError, OSError) as e:
-            print(f"iotlake {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        except (DeltaError, OSError, PySparkException, Py4JError) as e:
+            first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")
+            print(f"iotlake {args.command}: {type(e).__name__}: {first}", file=sys.stderr)
             return 1
 
     return run
@@ -85,7 +89,7 @@ def _positive(text: str) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the table-maintenance subcommands to the ``iotlake`` parser."""
     table_help = "table name (repeatable; default: every existing table)"
-    p = subparsers.add_parser("compact", help="bin-pack small files (and Z-order) in Delta tables")
+    p = subparsers.add_parser("compact", help="OPTIMIZE: bin-pack small files (and ZORDER BY) in Delta tables")
     p.add_argument("--table", action="append", metavar="T", help=table_help)
     p.add_argument("--no-zorder", action="store_true", help="bin-packing only, never Z-order")
     p.add_argument("--target-size", type=_positive, metavar="BYTES",

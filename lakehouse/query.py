@@ -16,7 +16,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
-from lakehouse import delta_io
+from lakehouse import delta_read
 from lakehouse.settings import Settings
 from lakehouse.tables import SCHEMAS
 
@@ -32,7 +32,7 @@ _MISSING_TABLE = re.compile(r"Table with name (\S+) does not exist")
 
 def existing_tables(settings: Settings) -> list[str]:
     """Logical tables that have a Delta log under the data root."""
-    return [n for n in SCHEMAS if delta_io.table_exists(settings.table_path(n))]
+    return [n for n in SCHEMAS if delta_read.table_exists(settings.table_path(n))]
 
 
 def referenced_tables(sql: str) -> list[str]:
@@ -46,10 +46,10 @@ def open_table(settings: Settings, name: str, as_of_version: int | None = None,
                as_of_timestamp: str | None = None) -> DeltaTable:
     """Open a logical table, optionally as of a version or timestamp (Delta time travel)."""
     path = settings.table_path(name)
-    if not delta_io.table_exists(path):
+    if not delta_read.table_exists(path):
         raise QueryError(f"table '{name}' has no data yet (no Delta table at {path})")
     try:
-        dt = delta_io.open_table(path, as_of_version)  # with the storage options of s3:// paths
+        dt = delta_read.open_table(path, as_of_version)  # with the storage options of s3:// paths
         if as_of_timestamp is not None:
             dt.load_as_version(as_of_timestamp)
     except Exception as e:  # delta-rs raises several types for a missing version/bad timestamp
@@ -79,7 +79,7 @@ def run_query(settings: Settings, sql: str, as_of_version: int | None = None,
     try:
         con.execute("SET TimeZone = 'UTC'")
         for name in referenced_tables(sql):
-            if delta_io.table_exists(settings.table_path(name)):
+            if delta_read.table_exists(settings.table_path(name)):
                 dt = open_table(settings, name, as_of_version, as_of_timestamp)
                 con.register(name, arrow_dataset(dt))
         try:
