@@ -57,6 +57,14 @@ def mosquitto_binary() -> str:
     return found
 
 
+def _alive(pid: int) -> bool:
+    """Running (not exited, nor a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @dataclass
 class Service:
     name: str
@@ -67,13 +75,39 @@ class Service:
     port_env: str = ""
     #: Further ports the service listens on (with the variable that moves each).
     other_ports: dict[int, str] = field(default_factory=dict)
-    #: Before the first start (e.g. format Kafka's log dir); after: ready beyond its port.
+    #: Before each start (Kafka: write its config, format its log dir the first time); after
+    #: the port opened: until the service answers.
     prepare: Callable[[], None] | None = field(default=None, repr=False)
     ready: Callable[[float], None] | None = field(default=None, repr=False)
+    start_timeout: float = 20.0
     stop_timeout: float = 10.0
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
-    def start(self, timeout: float = 60.0) -> Service:
+    @property
+    def pid_file(self) -> Path:
+        return self.log_file.with_suffix(".pid")
+
+    def _stop_leftover(self) -> None:
+        """A broker left running by a process killed with -9 (it runs in its own session) still
+        holds the ports and the data dir: stop it, as the run that started it would have."""
+        try:
+            pid = int(self.pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return
+        if [a.decode(errors="replace") for a in cmdline if a] != self.argv:
+            return  # another process reuses the pid
+        log.warning("stopping %s (pid %d) left running by an earlier run", self.name, pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(pid, signal.SIGKILL)
+
+    def start(self, timeout: float | None = None) -> Service:
+        timeout = self.start_timeout if timeout is None else timeout
+        self._stop_leftover()
         for port, env in {self.port: self.port_env, **self.other_ports}.items():
             if port_in_use(port):
                 raise ServiceError(
@@ -89,6 +123,7 @@ class Service:
             start_new_session=True,
         )
         out.close()
+        self.pid_file.write_text(str(self.proc.pid))
         t0 = time.monotonic()
         try:
             wait_for_port(self.port, self.proc, timeout, self.name, self.log_file)
@@ -244,7 +279,7 @@ def kafka_service(settings: Settings, port: int | None = None) -> Service:
     svc = Service("kafka", port, [*jvm, "kafka.Kafka", str(conf)], run / "kafka.log",
                   port_env="IOTLAKE_KAFKA__EMBEDDED_PORT",
                   other_ports={cport: "IOTLAKE_KAFKA__EMBEDDED_CONTROLLER_PORT"},
-                  prepare=prepare, ready=ready, stop_timeout=60.0)
+                  prepare=prepare, ready=ready, start_timeout=120.0, stop_timeout=60.0)
     return svc
 
 

@@ -81,3 +81,20 @@ def test_retention_settings_reach_the_broker(brokers, services_settings: Setting
     assert tconf["retention.bytes"].value == str(k.embedded_retention_bytes)
     assert tconf["retention.ms"].value == str(k.embedded_retention_hours * 3_600_000)
     assert tconf["segment.bytes"].value == str(k.embedded_segment_bytes)
+
+
+def test_a_broker_left_running_by_a_killed_run_is_stopped_at_the_next_start(tmp_path: Path) -> None:
+    """Brokers run in their own session, so kill -9 of `iotlake run` leaves them running: the
+    next start stops that one (it holds the ports and the data) instead of failing. Shown with
+    Mosquitto, which starts in milliseconds; Kafka uses the same code."""
+    from lakehouse.services import mosquitto_service
+
+    port = free_port()
+    s = load_settings(environ={}, data_root=str(tmp_path))
+    old = mosquitto_service(s, port).start()  # its owner "dies": nobody stops it
+    new = mosquitto_service(s, port).start()
+    try:
+        assert old.proc.wait(10) == 0  # stopped by SIGTERM
+        assert new.running and new.proc.pid != old.proc.pid
+    finally:
+        new.stop()
