@@ -1,9 +1,9 @@
 """``iotlake sql``: Spark SQL over the lakehouse tables, for queries too heavy for DuckDB.
 
-Spark here has no Delta jars (and no network to fetch them), so every table is a temp view over
-the ``iotlake_delta_batch`` Python source (delta-rs lists the files, Spark reads them in parallel),
-under the same names as ``iotlake query``. Versions are pinned when the session starts: every
-statement of a session sees one consistent snapshot, and ``--as-of-*`` applies to all tables.
+Every table is a temp view over ``spark.read.format("delta")`` (delta-spark) at a pinned
+``versionAsOf``, under the same names as ``iotlake query``. Versions are resolved when the
+session starts (delta-rs, no Spark job): every statement of a session sees one consistent
+snapshot, and ``--as-of-*`` applies to all tables.
 """
 
 from __future__ import annotations
@@ -69,15 +69,10 @@ def _quiet_pyspark_errors() -> Iterator[None]:
 
 
 class SqlSession:
-    """Every existing table registered in ``spark`` as a temp view at its pinned version.
-
-    (Not in ``spark.newSession()``: Python data sources are not found from a second session.)
-    """
+    """Every existing table registered in ``spark`` as a temp view at its pinned version."""
 
     def __init__(self, spark: SparkSession, settings: Settings, as_of_version: int | None = None,
                  as_of_timestamp: str | None = None) -> None:
-        from lakehouse.delta_source import spark_schema
-
         if as_of_version is not None and as_of_timestamp is not None:
             raise QueryError("give either as_of_version or as_of_timestamp, not both")
         self.versions: dict[str, int] = {}
@@ -91,8 +86,7 @@ class SqlSession:
         self.spark = spark
         for name, version in self.versions.items():
             path = settings.table_path(name)
-            (self.spark.read.format("iotlake_delta_batch").schema(spark_schema(path, version))
-             .option("path", path).option("version", str(version)).load()
+            (self.spark.read.format("delta").option("versionAsOf", str(version)).load(path)
              .createOrReplaceTempView(name))
 
     def close(self) -> None:
