@@ -95,7 +95,8 @@ class ChaosConfig:
     #: killed again, so kills land on a running pipeline rather than on a JVM still starting
     ready_timeout: float = 120.0
     mosquitto_outages: int = 0
-    #: the embedded Kafka is durable: an outage (SIGTERM, restart on the same log) loses nothing
+    #: the embedded Kafka is durable: an outage (SIGTERM or kill -9, seeded-random, then a restart
+    #: on the same log) loses nothing
     kafka_outages: int = 0
     #: ``iotlake compact`` of every table (in this process, delta-rs) while the streams write,
     #: placed in the second half of the plan so there are small files to rewrite
@@ -630,8 +631,13 @@ class Chaos:
         if name == "kafka":
             ensure_topics(s)
 
-    def stop_broker(self, name: str) -> None:
-        self.brokers.pop(name).stop()
+    def stop_broker(self, name: str, kill9: bool = False) -> None:
+        svc = self.brokers.pop(name)
+        if kill9:  # records Kafka acknowledged are in its log files (page cache) already
+            svc.proc.kill()
+            svc.proc.wait(10)
+        else:
+            svc.stop()
 
     # -- supervision --
     def supervise(self) -> None:
@@ -686,10 +692,13 @@ class Chaos:
         down = self.rng.uniform(*self.cfg.downtime)
         if victim.startswith("broker:"):
             broker = victim.split(":", 1)[1]
-            self.log(f"stopping {broker} for {down:.1f}s")
-            self.stop_broker(broker)
+            # Mosquitto saves its queues on a clean stop only: kill -9 is for Kafka
+            kill9 = broker == "kafka" and self.rng.random() < 0.5
+            self.log(f"{'kill -9' if kill9 else 'stopping'} {broker} for {down:.1f}s")
+            self.stop_broker(broker, kill9)
             self.outages[broker] += 1
-            self.events.append({"t": self._t(), "outage": broker, "down_s": round(down, 1)})
+            self.events.append({"t": self._t(), "outage": broker, "down_s": round(down, 1),
+                                "kill9": kill9})
             time.sleep(down)
             self.start_broker(broker)
             self.log(f"{broker} back")
