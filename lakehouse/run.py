@@ -167,7 +167,6 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
     return 0
 
 
-
 def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | None = None,
          malformed: int | None = None, timeout: float = 600.0, start: datetime | None = None,
          seed: int = 0, stop_spark: bool = False) -> dict:
