@@ -15,7 +15,8 @@ The detection step maps the corpus to flags per series; ``--via`` picks its impl
 
 - ``spark`` (default): the real pipeline. Each series is one device (``dev-00001``.., metric
   ``temperature``; humidity and battery null) in one silver Delta table written in ``--commits``
-  commits in event-time order; ``gold.health`` drains it (``availableNow``, ``--max-rows`` per
+  commits (more if needed for at most ``--max-rows`` rows each) in event-time order;
+  ``gold.health`` drains it through Delta's streaming source (``availableNow``, one commit per
   micro-batch, all devices in one stream) and the flags are read back from ``readings_scored``.
   Series are shifted by whole days to start on 2026-01-01: the watermark is global, so a series
   lying years before another would be dropped as late, and whole days keep the time of day the
@@ -152,11 +153,12 @@ def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Nam
     # also keeps the offline timeout from firing
     settings = load_settings(environ={}, data_root=root,
                              spark={"master": "local[2]", "shuffle_partitions": 2},
-                             stream={"watermark_seconds": span_s + 86_400,
-                                     "max_rows_per_trigger": args.max_rows})
+                             stream={"watermark_seconds": span_s + 86_400},
+                             gold={"max_files_per_trigger": 1})
     spark = None
     try:
-        for chunk in np.array_split(np.arange(len(rows)), args.commits):
+        commits = max(args.commits, -(-len(rows) // args.max_rows))  # one file and batch each
+        for chunk in np.array_split(np.arange(len(rows)), commits):
             write_deltalake(settings.table_path("silver"), pa.Table.from_pandas(
                 rows.iloc[chunk], schema=SILVER, preserve_index=False), mode="append")
         spark = spark_session(settings, app_name="iotlake-nab")
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=0,
                     help="direct: micro-batch size fed to score_batch (0 = whole series)")
     ap.add_argument("--max-rows", type=int, default=10_000,
-                    help="spark: max_rows_per_trigger of the gold stream (default: %(default)s)")
+                    help="spark: most rows per silver commit, i.e. per gold micro-batch "
+                         "(default: %(default)s)")
     ap.add_argument("--commits", type=int, default=20,
                     help="spark: silver commits the corpus is written in (default: %(default)s)")
     ap.add_argument("--sensitivity", action="store_true",

@@ -2,13 +2,14 @@
 
 Writes ``--readings`` synthetic silver readings from ``--devices`` devices (every device reports
 every 10 s of event time; a few spikes, low batteries and errors) into a silver Delta table in
-``--commits`` commits, then drains it with ``availableNow`` and ``max_rows_per_trigger``: the
-health stream alone, the window stream alone, then both at once. State size comes from the last
+``--commits`` commits (one file each), then drains it through Delta's streaming source with
+``availableNow`` and ``gold.max_files_per_trigger`` (``--max-files``; the default 1 makes every
+commit one micro-batch): the health stream alone, the window stream alone, then both at once. State size comes from the last
 progress' ``stateOperators`` (RocksDB). ``--scaling`` repeats the health run at other device
 counts with the same number of readings. Last line: one JSON object.
 
     .venv/bin/python bench/gold_throughput.py [--devices 10000] [--readings 1000000]
-        [--max-rows 100000] [--scaling 1000,100000] [--skip-windows]
+        [--commits 10] [--max-files 1] [--scaling 1000,100000] [--skip-windows]
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 STEP_S = 10  # every device reports every STEP_S seconds of event time
 
 
-def settings_for(root: Path, max_rows: int) -> Settings:
+def settings_for(root: Path, max_files: int) -> Settings:
     return load_settings(environ={}, data_root=str(root),
                          spark={"master": "local[2]", "shuffle_partitions": 2},
-                         stream={"max_rows_per_trigger": max_rows})
+                         gold={"max_files_per_trigger": max_files, "max_bytes_per_trigger": 0})
 
 
 def silver_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa.Table:
@@ -138,9 +139,9 @@ def run(starts: list[Callable[[], StreamingQuery]]
     return qs, time.perf_counter() - t0, {k: round(c1[k] - c0[k], 1) for k in c0}
 
 
-def fresh(root: Path, name: str, max_rows: int, silver: str) -> Settings:
+def fresh(root: Path, name: str, max_files: int, silver: str) -> Settings:
     """Settings with an own data root whose silver table is a link to the shared one."""
-    s = settings_for(root / name, max_rows)
+    s = settings_for(root / name, max_files)
     Path(s.table_path("silver")).parent.mkdir(parents=True, exist_ok=True)
     os.symlink(silver, s.table_path("silver"))
     return s
@@ -154,21 +155,21 @@ def check_scored(settings: Settings, readings: int) -> None:
 
 def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.Namespace,
                   windows: bool) -> dict:
-    base = settings_for(root / f"d{devices}", args.max_rows)
+    base = settings_for(root / f"d{devices}", args.max_files)
     write_s = write_silver(base, args.readings, devices, args.commits)
     silver = base.table_path("silver")
     print(f"{devices} devices: silver written in {write_s:.1f}s", flush=True)
-    s = fresh(root, f"h{devices}", args.max_rows, silver)
+    s = fresh(root, f"h{devices}", args.max_files, silver)
     (hq,), wall, cpu = run([lambda: gold.health.start(spark, s, "available_now")])
     check_scored(s, args.readings)
     out = {"devices": devices, "health": rates(hq, wall, cpu) | state_of(hq)}
     print("health", json.dumps(out["health"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
     if windows:
-        w = fresh(root, f"w{devices}", args.max_rows, silver)
+        w = fresh(root, f"w{devices}", args.max_files, silver)
         (wq,), wall, cpu = run([lambda: gold.windows.start(spark, w, "available_now")])
         out["windows"] = rates(wq, wall, cpu) | state_of(wq)
         print("windows", json.dumps(out["windows"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
-        b = fresh(root, f"b{devices}", args.max_rows, silver)
+        b = fresh(root, f"b{devices}", args.max_files, silver)
         (hq, wq), wall, cpu = run([lambda: gold.health.start(spark, b, "available_now"),
                                    lambda: gold.windows.start(spark, b, "available_now")])
         out["both"] = {"wall_s": round(wall, 1), "cpu_s": round(sum(cpu.values()), 1),
@@ -183,13 +184,13 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=10_000)
     ap.add_argument("--readings", type=int, default=1_000_000)
     ap.add_argument("--commits", type=int, default=10)
-    ap.add_argument("--max-rows", type=int, default=100_000)
+    ap.add_argument("--max-files", type=int, default=1, help="silver files (commits) per micro-batch")
     ap.add_argument("--scaling", default="1000,100000",
                     help="comma-separated device counts for health-only runs ('' = none)")
     ap.add_argument("--skip-windows", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
-    spark = spark_session(settings_for(root / "spark", args.max_rows), app_name="iotlake-gold-bench")
+    spark = spark_session(settings_for(root / "spark", args.max_files), app_name="iotlake-gold-bench")
     try:
         load0 = os.getloadavg()
         main_run = bench_devices(spark, root, args.devices, args, windows=not args.skip_windows)
@@ -198,7 +199,8 @@ def main() -> None:
             scaling[str(d)] = bench_devices(spark, root, d, args, windows=False)["health"]
         h = main_run["health"]
         result = {
-            "devices": args.devices, "readings": args.readings, "max_rows_per_trigger": args.max_rows,
+            "devices": args.devices, "readings": args.readings, "max_files_per_trigger": args.max_files,
+            "rows_per_batch": args.readings // args.commits * args.max_files,
             "rows_per_s": h["rows_per_s"], "rows_per_s_steady": h["rows_per_s_steady"],
             "rows_per_cpu_s": h["rows_per_cpu_s"], "cpu_s_by_process": h["cpu_s_by_process"],
             "windows_rows_per_s": main_run.get("windows", {}).get("rows_per_s"),

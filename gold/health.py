@@ -42,7 +42,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
 from gold.anomaly import DetectorConfig, initial_rows, score_lanes, state_fields
-from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, merge_arrow
+from lakehouse.delta_tables import append, ensure_table, upsert
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import (
@@ -357,7 +357,11 @@ def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
 
 
 class HealthBatch:
-    """foreachBatch: split the state function's output into the four gold tables."""
+    """foreachBatch: split the state function's output into the four gold tables, in Spark.
+
+    The output is persisted first: it comes out of the stateful operator, which must run once
+    per batch (its state store commits), while four writes read it.
+    """
 
     def __init__(self, settings: Settings, app_id: str) -> None:
         self.paths = {t: settings.table_path(t) for t in
@@ -365,50 +369,53 @@ class HealthBatch:
         self.app_id = app_id
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        out = df.toArrow()
-        if out.num_rows == 0:
-            return
-        kind = out.column("kind")
-        rs = readings_scored(out.filter(pc.equal(kind, "reading")))
-        an = rs.filter(rs.column("is_anomaly"))
-        hist = out.filter(pc.equal(kind, "status")).rename_columns(
-            ["changed_at" if c == "event_time" else c for c in out.column_names])
-        hist = hist.select(DEVICE_STATUS_HISTORY.names).cast(DEVICE_STATUS_HISTORY)
-        cur = out.filter(pc.equal(kind, "current"))
-        cur = cur.append_column("updated_at", pa.array([pd.Timestamp.now(tz="UTC")] * cur.num_rows,
-                                                       pa.timestamp("us", tz="UTC")))
-        cur = cur.select(DEVICE_CURRENT.names).cast(DEVICE_CURRENT)
-        for name, data in (("readings_scored", rs), ("anomalies", an), ("device_status_history", hist)):
-            if data.num_rows:
-                append_arrow(self.paths[name], data, self.app_id, batch_id)
-        if cur.num_rows:
-            merge_arrow(self.paths["device_current"], cur, MergeSpec(["device_id"]), self.app_id, batch_id)
+        df = df.persist()
+        try:
+            self.write(df, batch_id)
+        finally:
+            df.unpersist()
+
+    def write(self, out: DataFrame, batch_id: int) -> None:
+        kind = F.col("kind")
+        flagged = F.exists(F.array(*[F.col(m).isNotNull() & F.col(f"{m}_anomaly") for m in METRICS]),
+                           lambda x: x)
+        n = out.agg(*[F.count_if(kind == k).alias(k) for k in ("reading", "status", "current")],
+                    F.count_if((kind == "reading") & flagged).alias("anomaly")).first()
+        rs = readings_scored(out.where(kind == "reading"))
+        hist = (out.where(kind == "status").withColumnRenamed("event_time", "changed_at")
+                .select(*DEVICE_STATUS_HISTORY.names))
+        cur = (out.where(kind == "current").withColumn("updated_at", F.current_timestamp())
+               .select(*DEVICE_CURRENT.names))
+        for name, data, rows in (("readings_scored", rs, n["reading"]),
+                                 ("anomalies", rs.where("is_anomaly"), n["anomaly"]),
+                                 ("device_status_history", hist, n["status"])):
+            if rows:
+                append(data, self.paths[name], self.app_id, batch_id)
+        if n["current"]:
+            upsert(cur, self.paths["device_current"], ["device_id"], self.app_id, batch_id)
 
 
-def readings_scored(readings: pa.Table) -> pa.Table:
+def readings_scored(readings: DataFrame) -> DataFrame:
     """Unpivot the state function's reading rows: one row per present metric."""
-    parts = []
-    for m in METRICS:
-        r = readings.filter(pc.is_valid(readings.column(m)))
-        parts.append(pa.table({
-            "event_id": r["event_id"], "device_id": r["device_id"], "event_time": r["event_time"],
-            "metric": pa.repeat(m, r.num_rows), "value": r[m], "score": r[f"{m}_score"],
-            "baseline": r[f"{m}_baseline"], "is_anomaly": r[f"{m}_anomaly"]}))
-    return pa.concat_tables(parts).cast(READINGS_SCORED)
+    per_metric = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).alias("value"),
+                                    F.col(f"{m}_score").alias("score"),
+                                    F.col(f"{m}_baseline").alias("baseline"),
+                                    F.col(f"{m}_anomaly").alias("is_anomaly")) for m in METRICS])
+    return (readings.select("event_id", "device_id", "event_time", F.explode(per_metric).alias("r"))
+            .select("event_id", "device_id", "event_time", "r.*")
+            .where(F.col("value").isNotNull()))
 
 
-def start(spark: SparkSession, settings: Settings, trigger: str = "live",
-          max_rows: int | None = None) -> StreamingQuery:
+def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
     from gold.windows import silver_stream
 
     ckpt = settings.checkpoint_path(QUERY)
     for name, schema in (("readings_scored", READINGS_SCORED), ("anomalies", ANOMALIES),
                          ("device_status_history", DEVICE_STATUS_HISTORY),
                          ("device_current", DEVICE_CURRENT)):
-        ensure_table(settings.table_path(name), schema)
+        ensure_table(spark, settings.table_path(name), schema)
     writer = (
-        health_frame(silver_stream(spark, settings, max_rows, columns=HEALTH_INPUT),
-                     settings).writeStream
+        health_frame(silver_stream(spark, settings, columns=HEALTH_INPUT), settings).writeStream
         .queryName(QUERY).outputMode("append")
         .foreachBatch(HealthBatch(settings, query_id(ckpt)))
         .option("checkpointLocation", ckpt)

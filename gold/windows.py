@@ -10,34 +10,39 @@ from the same foreachBatch rather than a second append-mode query (which would k
 state store for identical aggregates). A window is final once its end is <= the batch's
 watermark (``offsets/<batch>`` in the checkpoint, the watermark Spark evicts state with):
 Spark drops rows at or below the previous batch's watermark, so after this batch's MERGE no
-row can reach such a window again. Each batch appends, read back from the merged tables, the
-windows ending in (latest window_end already in the final table, watermark]; watermarks only
-grow, so every window lands exactly once, with the merged values. A replayed batch reuses its
-watermark and its append is skipped by the Delta app transaction (query id, batch id).
-Final rows lag the merged ones by the watermark; no-data batches, which Spark runs when the
-watermark advances (also at the end of an ``available_now`` run), append them too.
+row can reach such a window again. Batch k appends, read back from the merged tables, the
+windows ending in (watermark of batch k-1, watermark of batch k]: watermarks only grow, so
+every window lands exactly once, with the merged values. A replayed batch reuses its offsets
+file, so the same range, and its append is skipped by the Delta app transaction (query id,
+batch id). Final rows lag the merged ones by the watermark; no-data batches, which Spark runs
+when the watermark advances (also at the end of an ``available_now`` run), append them too.
+
+Every write is delta-spark's (``lakehouse.delta_tables``), exactly once per (query id, batch id);
+the batch's rows stay in Spark. Reads of the merged tables go through Spark with literal time
+bounds, so Delta skips the files whose statistics lie outside them.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
-from pyspark.sql import DataFrame, SparkSession
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_io import MergeSpec, append_arrow, ensure_table, latest_table, merge_arrow
+from lakehouse.delta_tables import append, ensure_table, upsert
 from lakehouse.settings import Settings
-from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
-from lakehouse.tables import METRIC_WINDOWS, METRICS, TS
+from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.tables import METRIC_WINDOWS, METRICS
 
 TABLE = "gold_metrics_1m"
 SLIDING_TABLE = "gold_metrics_5m"
 FINAL_TABLE = "gold_metrics_1m_final"
 SLIDING_FINAL_TABLE = "gold_metrics_5m_final"
 KEYS = ["device_id", "metric", "window_start"]
+COLUMNS = METRIC_WINDOWS.names
 #: The silver columns the window stream reads.
 WINDOW_INPUT = ["device_id", "event_time", *METRICS]
 
@@ -70,28 +75,30 @@ def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds:
     )
 
 
-def silver_stream(spark: SparkSession, settings: Settings, max_rows: int | None = None,
-                  silver_path: str | None = None, columns: list[str] | None = None) -> DataFrame:
-    """Silver as a stream; ``columns`` limits what the source reads from Parquet and converts in
-    the JVM (gold needs 5-8 of silver's 12 columns: ~30% less source work per row)."""
-    path = silver_path or settings.table_path("silver")
-    reader = (
-        spark.readStream.format("iotlake_delta_stream")
-        .option("path", path)
-        .option("max_rows_per_trigger", str(max_rows or settings.stream.max_rows_per_trigger))
-        .option("task_rows", str(settings.stream.task_rows))
-    )
-    if columns:
-        from pyspark.sql.types import StructType
+def silver_stream(spark: SparkSession, settings: Settings, columns: list[str] | None = None,
+                  silver_path: str | None = None) -> DataFrame:
+    """Silver through Delta's streaming source. Silver is append-only; compaction commits are
+    ``dataChange=false`` and skipped by the source. ``columns`` limits what is read from Parquet."""
+    g = settings.gold
+    reader = (spark.readStream.format("delta")
+              .option("maxFilesPerTrigger", str(g.max_files_per_trigger)))
+    if g.max_bytes_per_trigger:
+        reader = reader.option("maxBytesPerTrigger", str(g.max_bytes_per_trigger))
+    df = reader.load(silver_path or settings.table_path("silver"))
+    return df.select(*columns) if columns else df
 
-        from lakehouse.delta_source import spark_schema
 
-        full = spark_schema(path)
-        missing = set(columns) - set(full.fieldNames())
-        if missing:
-            raise ValueError(f"silver at {path} has no column(s) {sorted(missing)}")
-        reader = reader.schema(StructType([f for f in full.fields if f.name in columns]))
-    return reader.load()
+def ts(epoch_s: int) -> str:
+    """A SQL timestamp literal (a literal lets Delta skip files by their statistics)."""
+    return f"TIMESTAMP'{datetime.fromtimestamp(epoch_s, UTC).isoformat()}'"
+
+
+def between(column: str, after_s: int | None, upto_s: int, lower_inclusive: bool = False) -> str:
+    """``after_s < column <= upto_s`` (``>=`` with ``lower_inclusive``; no lower bound for None)."""
+    cond = f"{column} <= {ts(upto_s)}"
+    if after_s is not None:
+        cond = f"{column} {'>=' if lower_inclusive else '>'} {ts(after_s)} AND {cond}"
+    return cond
 
 
 class MergeBatch:
@@ -109,127 +116,111 @@ class MergeBatch:
         self.app_id, self.checkpoint = app_id, checkpoint
         g = settings.gold
         self.base, self.size, self.every = settings.stream.window_seconds, g.slide_window_seconds, g.slide_every_seconds
+        if self.size % self.base or self.every % self.base:
+            raise ValueError(f"gold.slide_window_seconds ({self.size}) and gold.slide_every_seconds "
+                             f"({self.every}) must be multiples of stream.window_seconds ({self.base})")
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        data = df.toArrow()
-        if data.num_rows:
-            merge_arrow(self.path, data.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS),
-                        MergeSpec(KEYS), self.app_id, batch_id)
-            sliding = sliding_windows(self.path, data, self.base, self.size, self.every)
-            if sliding.num_rows:
-                merge_arrow(self.slide_path, sliding, MergeSpec(KEYS), self.app_id, batch_id)
-        # also on empty (no-data) batches: they exist to advance the watermark
-        self.append_final(batch_id)
+        spark = df.sparkSession
+        df = df.persist()  # read by the MERGE and by the sliding roll-up
+        try:
+            n, lo, hi = df.agg(F.count(F.lit(1)), F.min(F.unix_seconds("window_start")),
+                               F.max(F.unix_seconds("window_start"))).first()
+            if n:
+                upsert(df.select(*COLUMNS), self.path, KEYS, self.app_id, batch_id,
+                       within=between("t.window_start", lo, hi, lower_inclusive=True))
+                sliding = sliding_windows(spark, self.path, df, lo, hi, self.base, self.size, self.every)
+                upsert(sliding, self.slide_path, KEYS, self.app_id, batch_id,
+                       within=between("t.window_start", lo - self.size, hi, lower_inclusive=True))
+            # also on empty (no-data) batches: they exist to advance the watermark
+            self.append_final(spark, batch_id)
+        finally:
+            df.unpersist()
 
-    def append_final(self, batch_id: int) -> None:
+    def append_final(self, spark: SparkSession, batch_id: int) -> None:
         """Append the windows this batch's watermark made final (see the module docstring)."""
-        wm = batch_watermark_ms(self.checkpoint, batch_id)
-        # window ends lie on the base window's grid (sliding sizes and slides are multiples of it)
-        grid_ms = wm // (self.base * 1000) * self.base * 1000
+        upto = final_upto_s(self.checkpoint, batch_id, self.base)
+        if not upto:  # unknown batch, or no watermark yet
+            return
+        before = final_upto_s(self.checkpoint, batch_id - 1, self.base)
         for merged, final in self.finals.items():
-            done = last_window_end_ms(final)
-            if grid_ms <= 0 or (done is not None and grid_ms <= done):
+            done = before if before is not None else last_window_end_s(spark, final)
+            if done is not None and upto <= done:
                 continue
-            rows = windows_ending(merged, done, wm)
-            if rows.num_rows:
-                append_arrow(final, rows, self.app_id, batch_id)
+            rows = (spark.read.format("delta").load(merged)
+                    .where(between("window_end", done, upto)).select(*COLUMNS))
+            append(rows, final, self.app_id, batch_id)
 
 
-def last_window_end_ms(path: str) -> int | None:
-    """Latest window_end in a table, from its log's file statistics (no data file is read)."""
-    with latest_table(path) as dt:
-        adds = pa.table(dt.get_add_actions(flatten=True))
-        if not adds.num_rows:
-            return None
-        ends = adds.column("max.window_end")
-        if ends.null_count:  # a file without stats: read the column
-            ends = dt.to_pyarrow_table(columns=["window_end"]).column("window_end")
-    top = pc.max(ends).cast(pa.int64()).as_py()
-    return None if top is None else top // 1000
+def batch_watermark_ms(checkpoint: str, batch_id: int) -> int | None:
+    """Event-time watermark (epoch ms) micro-batch ``batch_id`` evicts state with, from the
+    offsets log (None: no such batch there). Spark writes ``offsets/<batch>`` before running
+    the batch and a replay reuses it, so every run of a batch sees the same watermark."""
+    f = Path(checkpoint, "offsets", str(batch_id))
+    if batch_id < 0 or not f.exists():
+        return None
+    return int(json.loads(f.read_text().splitlines()[1]).get("batchWatermarkMs", 0))
 
 
-def windows_ending(path: str, after_ms: int | None, upto_ms: int) -> pa.Table:
-    """Windows of a merged table with ``after_ms < window_end <= upto_ms``."""
-    import pyarrow.dataset as ds
-
-    def ts(ms: int) -> pa.Scalar:
-        return pa.scalar(ms * 1000, TS)
-
-    flt = ds.field("window_end") <= ts(upto_ms)
-    if after_ms is not None:
-        flt &= ds.field("window_end") > ts(after_ms)
-    with latest_table(path) as dt:
-        rows = dt.to_pyarrow_dataset().to_table(filter=flt)
-    return rows.select(METRIC_WINDOWS.names).cast(METRIC_WINDOWS).sort_by(
-        [("window_start", "ascending"), ("device_id", "ascending"), ("metric", "ascending")])
+def final_upto_s(checkpoint: str, batch_id: int, base: int) -> int | None:
+    """Windows ending at or before this (epoch s) are final in ``batch_id`` (window ends lie on
+    the base window's grid: sliding sizes and slides are multiples of it). None: batch unknown."""
+    wm = batch_watermark_ms(checkpoint, batch_id)
+    return None if wm is None else wm // (base * 1000) * base
 
 
-def _epoch_s(ts: pd.Series) -> pd.Series:
-    return ts.dt.as_unit("ns").astype("int64") // 10**9
+def last_window_end_s(spark: SparkSession, path: str) -> int | None:
+    """Latest window_end in a table (a full read of one column: only for a batch whose
+    predecessor's offsets the checkpoint no longer has, e.g. a new checkpoint on old tables)."""
+    return (spark.read.format("delta").load(path)
+            .agg(F.max(F.unix_seconds("window_end"))).first()[0])
 
 
-def sliding_windows(tumbling_path: str, changed: pa.Table, base: int, size: int, every: int) -> pa.Table:
-    """Recompute the sliding windows that contain any changed tumbling window."""
-    import pyarrow.dataset as ds
-
-    if size % base or every % base:
-        raise ValueError(f"sliding window {size}s/{every}s must be multiples of the {base}s window")
-    ch = changed.select(["device_id", "metric", "window_start"]).to_pandas()
-    lo = ch["window_start"].min() - pd.Timedelta(seconds=size)
-    hi = ch["window_start"].max() + pd.Timedelta(seconds=size)
-    flt = ((ds.field("window_start") >= pa.scalar(lo.to_pydatetime(), pa.timestamp("us", tz="UTC")))
-           & (ds.field("window_start") < pa.scalar(hi.to_pydatetime(), pa.timestamp("us", tz="UTC"))))
-    with latest_table(tumbling_path) as dt:
-        # (a device_id isin filter trips delta-rs' string_view stats)
-        t = dt.to_pyarrow_dataset().to_table(filter=flt)
-    t = t.filter(pc.is_in(t.column("device_id"), pa.array(ch["device_id"].unique()))).to_pandas()
-    if t.empty:
-        return METRIC_WINDOWS.empty_table()
-    # each tumbling window feeds the sliding windows starting in (start - size, start]
-    t["sumsq"] = (t["count"] - 1).clip(lower=0) * t["stddev"].fillna(0.0) ** 2 + t["count"] * t["mean"] ** 2
-    epoch = _epoch_s(t["window_start"])
-    first = -(-(epoch + base - size) // every) * every  # first sliding start covering it
-    parts = []
-    for k in range(size // every):
-        part = t.copy()
-        part["slide_start"] = first + k * every
-        parts.append(part[(part["slide_start"] <= epoch)])
-    x = pd.concat(parts, ignore_index=True)
-    x["wsum"] = x["count"] * x["mean"]
-    x = x.sort_values("window_start")
-    g = x.groupby(["device_id", "metric", "slide_start"], sort=False)
-    out = g.agg(count=("count", "sum"), wsum=("wsum", "sum"), sumsq=("sumsq", "sum"),
-                min=("min", "min"), max=("max", "max"), last=("last", "last")).reset_index()
-    out["mean"] = out["wsum"] / out["count"]
-    var = (out["sumsq"] - out["count"] * out["mean"] ** 2) / (out["count"] - 1)
-    out["stddev"] = np.sqrt(var.clip(lower=0)).where(out["count"] > 1)
-    out["window_start"] = pd.to_datetime(out["slide_start"], unit="s", utc=True)
-    out["window_end"] = out["window_start"] + pd.Timedelta(seconds=size)
-    # only windows touched by this batch's changes
-    touched = ch.assign(e=_epoch_s(ch["window_start"]))
-    keep = set()
-    for d, m, e in zip(touched["device_id"], touched["metric"], touched["e"], strict=True):
-        for k in range(size // every):
-            start = -(-(e + base - size) // every) * every + k * every
-            if start <= e:
-                keep.add((d, m, start))
-    mask = [(d, m, s) in keep for d, m, s in zip(out["device_id"], out["metric"], out["slide_start"], strict=True)]
-    out = out[mask]
-    return pa.Table.from_pandas(out[METRIC_WINDOWS.names], preserve_index=False).cast(METRIC_WINDOWS)
+def slide_starts(epoch_s: Column, base: int, size: int, every: int) -> Column:
+    """Starts (epoch s) of the sliding windows that contain the base window starting at ``epoch_s``."""
+    first = F.ceil((epoch_s + (base - size)) / F.lit(every)).cast("long") * every
+    starts = F.transform(F.sequence(F.lit(0), F.lit(size // every - 1)), lambda k: first + k * every)
+    return F.filter(starts, lambda s: s <= epoch_s)
 
 
-def start(spark: SparkSession, settings: Settings, trigger: str = "live",
-          max_rows: int | None = None) -> StreamingQuery:
-    path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
-    ensure_table(path, METRIC_WINDOWS)
-    for name in (SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
-        ensure_table(settings.table_path(name), METRIC_WINDOWS)
-    agg = window_aggregates(silver_stream(spark, settings, max_rows, columns=WINDOW_INPUT),
-                            settings.stream.window_seconds,
-                            settings.stream.watermark_seconds)
+def sliding_windows(spark: SparkSession, tumbling_path: str, changed: DataFrame, lo: int, hi: int,
+                    base: int, size: int, every: int) -> DataFrame:
+    """Recompute the sliding windows that contain any changed tumbling window (their starts in
+    epoch s lie in [``lo``, ``hi``]), from the merged tumbling table."""
+    def starts(c: DataFrame) -> Column:
+        return F.explode(slide_starts(F.unix_seconds(c["window_start"]), base, size, every)).alias("slide_start")
+
+    touched = changed.select("device_id", "metric", starts(changed)).distinct()
+    t = (spark.read.format("delta").load(tumbling_path)
+         .where(between("window_start", lo - size, hi + size, lower_inclusive=True)))
+    x = (t.select("device_id", "metric", "window_start", "count", "mean", "min", "max", "stddev",
+                  "last", starts(t))
+         .join(touched, ["device_id", "metric", "slide_start"], "left_semi"))
+    c = F.col("count")
+    sumsq = F.greatest(c - 1, F.lit(0)) * F.pow(F.coalesce("stddev", F.lit(0.0)), 2) + c * F.col("mean") ** 2
+    g = x.groupBy("device_id", "metric", "slide_start").agg(
+        F.sum(c).alias("count"), F.sum(c * F.col("mean")).alias("wsum"), F.sum(sumsq).alias("sumsq"),
+        F.min("min").alias("min"), F.max("max").alias("max"),
+        F.max_by("last", "window_start").alias("last"))
+    mean = F.col("wsum") / F.col("count")
+    var = (F.col("sumsq") - F.col("count") * mean ** 2) / (F.col("count") - 1)
+    return g.select(
+        "device_id", "metric", F.timestamp_seconds("slide_start").alias("window_start"),
+        F.timestamp_seconds(F.col("slide_start") + size).alias("window_end"), "count",
+        mean.alias("mean"), "min", "max",
+        F.when(F.col("count") > 1, F.sqrt(F.greatest(var, F.lit(0.0)))).alias("stddev"), "last")
+
+
+def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
+    ckpt = settings.checkpoint_path(TABLE)
+    for name in (TABLE, SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
+        ensure_table(spark, settings.table_path(name), METRIC_WINDOWS)
+    batch = MergeBatch(settings, query_id(ckpt), ckpt)
+    agg = window_aggregates(silver_stream(spark, settings, columns=WINDOW_INPUT),
+                            settings.stream.window_seconds, settings.stream.watermark_seconds)
     writer = (
         agg.writeStream.queryName(TABLE).outputMode("update")
-        .foreachBatch(MergeBatch(settings, query_id(ckpt), ckpt))
+        .foreachBatch(batch)
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="windows"))
     )

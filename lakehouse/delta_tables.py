@@ -65,13 +65,19 @@ def append(df: DataFrame, path: str, app_id: str, batch_id: int, schema_evolutio
 
 
 def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int,
-           when_newer: str | None = None) -> None:
+           when_newer: str | None = None, within: str | None = None) -> None:
     """MERGE ``df`` into ``path`` on ``keys``: matched rows updated (only where the condition
     ``when_newer`` holds, e.g. ``"s.updated_at >= t.updated_at"``), the others inserted. One
-    row per key in ``df``. Exactly once per (``app_id``, ``batch_id``)."""
+    row per key in ``df``. Exactly once per (``app_id``, ``batch_id``).
+
+    ``within``: a condition on target columns only (``t.``) that every matching row meets, e.g.
+    a time range with literal bounds: Delta then reads only the files whose statistics can hold
+    such rows instead of the whole table."""
     from delta.tables import DeltaTable
 
     on = " AND ".join(f"t.`{k}` <=> s.`{k}`" for k in keys)
+    if within:
+        on = f"({within}) AND {on}"
     spark = df.sparkSession
 
     def run() -> None:

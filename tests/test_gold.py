@@ -21,8 +21,8 @@ def gold_settings(tmp_path) -> Settings:
     return load_settings(
         environ={}, data_root=str(tmp_path / "lake"),
         spark={"master": "local[2]", "shuffle_partitions": 2},
-        stream={"watermark_seconds": 30, "max_rows_per_trigger": 1},
-        gold={"offline_after_seconds": 120},
+        stream={"watermark_seconds": 30},
+        gold={"offline_after_seconds": 120, "max_files_per_trigger": 1},
     )
 
 
@@ -104,8 +104,8 @@ def test_degraded_on_low_battery_and_anomaly_flags_survive_restart(spark, gold_s
 
 # ---- window aggregates: watermark, late data, final windows ------------------------------------
 # Silver quarantines readings at or below its own watermark (reason `late`), so these tests
-# write silver directly to exercise gold's watermark on its own. With max_rows_per_trigger=1
-# every silver commit is one gold micro-batch; Spark drops a row as late when its event time is
+# write silver directly to exercise gold's watermark on its own. With max_files_per_trigger=1
+# every silver commit (one file) is one gold micro-batch; Spark drops a row as late when its event time is
 # <= the previous batch's watermark (max event time so far - 30 s).
 
 WKEYS = ["device_id", "metric", "window_start"]
@@ -200,18 +200,18 @@ def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold
     # batch 4 runs with watermark 100 s, closing [0, 60): crash after its MERGE, before the append
     append_silver(s, [temp(130, 1.0)])
     append_silver(s, [temp(135, 2.0)])
-    real_append = gold.windows.append_arrow
+    real_append = gold.windows.append
 
     def crash(*args, **kwargs):
         raise RuntimeError("crash before the final append")
 
-    monkeypatch.setattr(gold.windows, "append_arrow", crash)
+    monkeypatch.setattr(gold.windows, "append", crash)
     q = gold.windows.start(spark, s, trigger="available_now")
     with pytest.raises(StreamingQueryException):
         q.awaitTermination()
     assert windows(s, "gold_metrics_1m")[120]["count"] == 2  # batch 4 merged
     assert windows(s, "gold_metrics_1m_final") == {}
-    monkeypatch.setattr(gold.windows, "append_arrow", real_append)
+    monkeypatch.setattr(gold.windows, "append", real_append)
 
     def check_first_final() -> None:
         final1, final5 = windows(s, "gold_metrics_1m_final"), windows(s, "gold_metrics_5m_final")
@@ -226,7 +226,7 @@ def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold
     q = run_windows(spark, s)
     assert [p["batchId"] for p in q.recentProgress] == [5]
     qid = json.loads((ckpt / "metadata").read_text().splitlines()[0])["id"]
-    gold.windows.MergeBatch(s, qid, str(ckpt)).append_final(4)  # batch 4's append, replayed
+    gold.windows.MergeBatch(s, qid, str(ckpt)).append_final(spark, 4)  # batch 4's append, replayed
     check_first_final()
 
     # late beyond the watermark (dropped), then event time moves to 400 s: minutes 1 and 2 close
@@ -243,3 +243,96 @@ def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold
     assert pick(final1[0]) == stats([20.0, 22.0], last=22.0)
     assert pick(final1[120]) == stats([1.0, 2.0], last=2.0)
     assert pick(final5[60]) == stats([30.0, 1.0, 2.0], last=2.0)
+
+
+# ---- exactly once per (query id, batch id); MERGE output read alike by delta-spark and delta-rs --
+
+def versions(settings: Settings, tables: tuple[str, ...]) -> dict[str, int]:
+    return {t: DeltaTable(settings.table_path(t)).version() for t in tables}
+
+
+def same_through_both(spark, settings: Settings, table: str) -> pa.Table:
+    """The table's rows through delta-rs and through delta-spark: identical, returned sorted."""
+    from lakehouse.tables import SCHEMAS
+
+    schema = SCHEMAS[table]
+    order = [(c, "ascending") for c in schema.names]
+    rs = DeltaTable(settings.table_path(table)).to_pyarrow_table().cast(schema).sort_by(order)
+    sp = spark.read.format("delta").load(settings.table_path(table)).toArrow().cast(schema).sort_by(order)
+    assert rs.num_rows and rs.equals(sp), table
+    return rs
+
+
+def health_output(spark, temperature: float):
+    """A micro-batch of the health state function's output: one reading, status change, current."""
+    import gold.health
+
+    base = {c.split()[0]: None for c in gold.health.OUT_SCHEMA.split(", ")}
+    reading = base | dict(kind="reading", device_id="dev-r", event_id="e-r", event_time=T0,
+                          temperature=temperature, temperature_score=0.1, temperature_baseline=21.0,
+                          temperature_anomaly=False, humidity=40.0, humidity_score=0.97,
+                          humidity_baseline=30.0, humidity_anomaly=True, battery_anomaly=False)
+    status = base | dict(kind="status", device_id="dev-r", status="online", reason="data", event_time=T0)
+    cur = base | dict(kind="current", device_id="dev-r", status="online", status_since=T0,
+                      last_seen=T0, temperature=temperature, humidity=40.0, anomaly_score=0.97)
+    return spark.createDataFrame([reading, status, cur], gold.health.OUT_SCHEMA)
+
+
+def test_replayed_health_batch_writes_nothing_twice(spark, gold_settings) -> None:
+    import gold.health
+
+    s = gold_settings
+    tables = ("readings_scored", "anomalies", "device_status_history", "device_current")
+    append_silver(s, [reading(d, T0 + timedelta(seconds=10 * i)) for i in range(3) for d in ("dev-1", "dev-2")])
+    run_health(spark, s)
+    batch = gold.health.HealthBatch(s, "replay-test")
+    batch(health_output(spark, 21.5), 7)
+    before = versions(s, tables)
+    rows = {t: same_through_both(spark, s, t) for t in tables}
+    assert current(s, "dev-r")["temperature"] == 21.5
+    scored = rows["readings_scored"].filter(pa.compute.equal(rows["readings_scored"]["event_id"], "e-r"))
+    assert sorted(scored.column("metric").to_pylist()) == ["humidity", "temperature"]
+    assert rows["anomalies"].column("event_id").to_pylist() == ["e-r"]
+
+    batch(health_output(spark, 99.0), 7)  # the replay (even with other rows) writes nothing
+    assert versions(s, tables) == before
+    assert {t: same_through_both(spark, s, t) for t in tables} == rows
+
+    batch(health_output(spark, 99.0), 8)  # the next batch does
+    assert current(s, "dev-r")["temperature"] == 99.0
+    assert versions(s, tables) == {t: v + 1 for t, v in before.items()}
+
+
+def test_replayed_window_batch_writes_nothing_twice(spark, gold_settings, tmp_path) -> None:
+    import gold.windows
+    from lakehouse.tables import METRIC_WINDOWS
+
+    s = gold_settings
+    append_silver(s, [temp(10, 20.0), temp(70, 30.0)])
+    run_windows(spark, s)
+
+    def batch_rows(mean: float):
+        return spark.createDataFrame(pa.table({
+            "device_id": ["dev-00001", "dev-00002"], "metric": ["temperature", "humidity"],
+            "window_start": [T0 + timedelta(minutes=1), T0 + timedelta(minutes=9)],
+            "window_end": [T0 + timedelta(minutes=2), T0 + timedelta(minutes=10)],
+            "count": [3, 1], "mean": [mean, 40.0], "min": [1.0, 40.0], "max": [50.0, 40.0],
+            "stddev": [2.0, None], "last": [mean, 40.0]}, schema=METRIC_WINDOWS))
+
+    tables = ("gold_metrics_1m", "gold_metrics_5m")
+    batch = gold.windows.MergeBatch(s, "replay-test", str(tmp_path / "no-checkpoint"))
+    batch(batch_rows(25.0), 3)
+    before = versions(s, tables)
+    rows = {t: same_through_both(spark, s, t) for t in tables}
+    one = windows(s, "gold_metrics_1m")
+    assert one[60]["count"] == 3 and one[60]["mean"] == 25.0 and one[540]["count"] == 1
+    # [0, 5 min): minute 0 from the stream + the new minute 1 (sum of squares 400 + 2 * 4 + 3 * 625)
+    five = windows(s, "gold_metrics_5m")
+    assert pick(five[0]) == {"count": 4, "mean": pytest.approx(20.0 / 4 + 25.0 * 3 / 4), "min": 1.0,
+                             "max": 50.0, "stddev": pytest.approx((26.75 / 3) ** 0.5), "last": 25.0}
+
+    batch(batch_rows(26.0), 3)
+    assert versions(s, tables) == before
+    assert {t: same_through_both(spark, s, t) for t in tables} == rows
+    batch(batch_rows(26.0), 4)
+    assert windows(s, "gold_metrics_1m")[60]["mean"] == 26.0
