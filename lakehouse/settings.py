@@ -208,21 +208,17 @@ class GoldSettings(_Section):
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
     slide_window_seconds: int = Field(300, ge=60)
     slide_every_seconds: int = Field(60, ge=60)
-    # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the
-    # first reached wins; at least one file): bounds a catch-up batch, whose rows the health
-    # stream holds in memory per state bucket. 0 bytes: files only.
-    max_files_per_trigger: int = Field(100, ge=1)
-    max_bytes_per_trigger: int = Field(64 << 20, ge=0)
 
 
 class StorageSettings(_Section):
     """Object storage, used when ``data_root`` is a URI (``s3://bucket/prefix``; MinIO, Ceph...).
 
     Credentials: these keys, their ``*_file`` variants (mounted secrets) or the standard
-    ``AWS_*`` environment. Commits are safe with several writers through S3 conditional writes
-    (delta-rs default); ``allow_unsafe_rename`` is for stores without them, one writer per table.
-    Spark checkpoints cannot go to S3 here (no hadoop-aws jars): they stay on a filesystem under
-    ``checkpoint_root`` (shared, e.g. NFS/HDFS, when executors run on other machines).
+    ``AWS_*`` environment. Spark writes through S3A (``lakehouse.storage.spark_conf``) and
+    Delta's S3 log store: one writing driver per table. delta-rs readers use the same keys
+    (``allow_unsafe_rename`` / ``options`` only concern delta-rs). Spark checkpoints stay on a
+    filesystem under ``checkpoint_root`` (their lock is a local file lock; shared, e.g.
+    NFS/HDFS, when executors run on other machines).
     """
 
     checkpoint_root: str = ""  # empty: <data_root> (required when data_root is a URI)
@@ -230,6 +226,8 @@ class StorageSettings(_Section):
     region: str = "us-east-1"
     allow_http: bool = False
     allow_unsafe_rename: bool = False
+    # S3A path-style URLs (http://host/bucket/key); unset: on when endpoint_url is set
+    path_style_access: bool | None = None
     access_key_id: str = Field("", repr=False)
     secret_access_key: str = Field("", repr=False)
     session_token: str = Field("", repr=False)

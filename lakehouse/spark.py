@@ -26,7 +26,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     # Object storage: fail fast on bad credentials; export AWS_* for the driver's own delta-rs
-    # calls. Executors get the options inside the pickled Delta source/sink (lakehouse.storage).
+    # reads (lakehouse.delta_read). Spark itself reaches S3 through S3A (storage.spark_conf).
     storage.check(settings)
     storage.configure(settings)
     b = (
@@ -64,7 +64,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     if settings.spark.fair_pools:
         b = (b.config("spark.scheduler.mode", "FAIR")
              .config("spark.scheduler.allocation.file", str(FAIR_POOLS)))
-    conf = dict(settings.spark.conf)
+    # s3:// tables: S3A from the storage settings (spark.conf entries override them)
+    conf = {**storage.spark_conf(settings), **settings.spark.conf}
     if is_local(settings.spark.master) and settings.spark.local_fs_shim:
         conf = _with_local_fs_shim(conf)
     for k, v in conf.items():

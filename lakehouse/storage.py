@@ -1,13 +1,16 @@
 """Where tables live: a local directory or S3-compatible object storage (``s3://bucket/prefix``).
 
-delta-rs reads and writes tables with ``storage_options``; the files iotlake touches outside
-delta-rs (the sink's Parquet data files, the stream source's ``_delta_log`` reads) go through
-``pyarrow.fs`` with the same options. Options come from the ``storage`` settings section
-(:func:`delta_options`). ``lakehouse.spark`` calls :func:`configure`, which also exports them as
-the standard ``AWS_*`` environment before the JVM starts: every ``DeltaTable(uri)`` in the
-process and the driver's Python data-source workers then reach the same store. Executors get
-the options inside the pickled Delta source/sink objects, never as (loggable) Spark options or
-conf. Error messages go through :func:`scrub`.
+Spark (delta-spark) reaches ``s3://`` through Hadoop's S3A file system (``hadoop-aws`` and the
+AWS SDK v2 modules in ``infra/jvm/spark-jars.pom.xml``), configured by :func:`spark_conf` from
+the ``storage`` settings section; its credentials are ``fs.s3a.*`` keys that Spark's
+``spark.redaction.regex`` hides in the UI and event logs. Delta commits to S3 through its
+``S3SingleDriverLogStore``: safe while each table has one writing driver (one ``iotlake run``,
+or one role process per table); Delta's Spark writer has no S3 conditional-write log store.
+
+The readers without a JVM (delta-rs: dashboard, ``iotlake query``, the drivers' cheap look-ups
+in ``lakehouse.delta_read``) use :func:`delta_options`; :func:`configure` also exports them as
+the standard ``AWS_*`` environment, so every ``DeltaTable(uri)`` in the process reaches the same
+store. Error messages go through :func:`scrub`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,39 @@ def delta_options(settings) -> dict[str, str]:
             opts[key] = value
     opts.update(st.options)
     return opts
+
+
+def path_style(settings) -> bool:
+    """``storage.path_style_access``; unset: path style for a custom endpoint (MinIO, Ceph...)."""
+    st = settings.storage
+    return bool(st.endpoint_url) if st.path_style_access is None else st.path_style_access
+
+
+def spark_conf(settings) -> dict[str, str]:
+    """Spark confs for an ``s3://`` data root ({} for a local one): S3A serves both ``s3://``
+    and ``s3a://`` paths, so table paths are the same for Spark and delta-rs."""
+    if not is_uri(settings.data_root):
+        return {}
+    st = settings.storage
+    h = "spark.hadoop.fs.s3a."
+    conf = {"spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+            "spark.hadoop.fs.AbstractFileSystem.s3.impl": "org.apache.hadoop.fs.s3a.S3A",
+            h + "endpoint.region": st.region,
+            h + "path.style.access": str(path_style(settings)).lower()}
+    if st.endpoint_url:
+        conf[h + "endpoint"] = st.endpoint_url
+        conf[h + "connection.ssl.enabled"] = str(not st.endpoint_url.startswith("http://")).lower()
+    o = delta_options(settings)
+    if o.get("AWS_ACCESS_KEY_ID") and o.get("AWS_SECRET_ACCESS_KEY"):
+        conf[h + "access.key"] = o["AWS_ACCESS_KEY_ID"]
+        conf[h + "secret.key"] = o["AWS_SECRET_ACCESS_KEY"]
+        provider = "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
+        if o.get("AWS_SESSION_TOKEN"):
+            conf[h + "session.token"] = o["AWS_SESSION_TOKEN"]
+            provider = "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider"
+        conf[h + "aws.credentials.provider"] = provider
+    # else: S3A's default chain (environment, web identity, instance profile)
+    return conf
 
 
 _lock = threading.Lock()
