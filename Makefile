@@ -1,7 +1,7 @@
 # iotlake — two commands for a newcomer: `make run` and `make test`.
 # Each creates .venv if missing, installs the package and the system packages it needs
 # (Mosquitto; Java and Maven), resolves the pinned jars (Delta, Spark's Kafka connector, the
-# Kafka broker) from Maven Central into .jars/,, and starts the embedded brokers on iotlake's own ports.
+# Kafka broker) from Maven Central into .jars/ and starts the embedded brokers on iotlake's own ports.
 
 PYTHON ?= python3
 VENV   := .venv

@@ -1,6 +1,6 @@
 """End-to-end latency: MQTT publish -> readable in silver, and -> reflected in device_current.
 
-Runs ``iotlake run`` (embedded Mosquitto + Tansu, bridge, all streams) and ``iotlake simulate
+Runs ``iotlake run`` (embedded Mosquitto + Apache Kafka, bridge, all streams) and ``iotlake simulate
 --rate RATE`` as child processes for ``--seconds``; meanwhile this script publishes sampled probe readings (device
 ``dev-99999``, event time = publish time) and watches the Delta logs: a probe is "in silver"
 when a committed silver version contains its event_id, and "in device_current" when the
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lakehouse.delta_source import commit_adds, latest_version  # noqa: E402
+from lakehouse.delta_read import commit_adds, latest_version  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from lakehouse.spark import shuffle_partitions  # noqa: E402
 
@@ -54,7 +54,11 @@ def main() -> None:
                          "achieved rate is printed either way")
     ap.add_argument("--shuffle-partitions", type=int, default=0,
                     help="spark.shuffle_partitions (state store partitions; 0: the setting's default)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a short run at a low rate that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 25, 10, 2
     spark_opts = {"shuffle_partitions": args.shuffle_partitions} if args.shuffle_partitions else {}
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
@@ -120,6 +124,7 @@ def main() -> None:
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
         "windows_trigger_seconds": args.windows_trigger_seconds, "simulator_nice": args.simulator_nice,
         "shuffle_partitions": shuffle_partitions(settings),
+        "cores_iotlake": round(sum(v for r, v in cores.items() if r in _IOTLAKE), 2),
         "load": os.getloadavg()[0],
     }
     for name, parts in _batch_profile(settings, sample_from).items():
@@ -164,8 +169,10 @@ def _batch_profile(settings, since: float) -> dict[str, dict]:
 #: Process roles by command line, for the CPU breakdown (first match wins).
 _ROLES = (("simulate", "simulator"), ("ingest.bridge", "bridge"), ("pyspark.daemon", "spark python workers"),
           ("pyspark/daemon", "spark python workers"), ("pyspark.worker", "spark python workers"),
-          ("java", "spark jvm"), ("lakehouse.cli run", "driver (python)"), ("tansu", "tansu"),
-          ("mosquitto", "mosquitto"))
+          ("kafka.Kafka", "kafka broker"), ("java", "spark jvm"),
+          ("lakehouse.cli run", "driver (python)"), ("mosquitto", "mosquitto"))
+#: The roles that are ``iotlake run`` itself (not the simulator, not this script or the rest).
+_IOTLAKE = ("bridge", "spark python workers", "kafka broker", "spark jvm", "driver (python)", "mosquitto")
 
 
 def _cpu_by_role() -> dict[str, float]:
