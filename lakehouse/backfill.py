@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from lakehouse import storage
-from lakehouse.delta_source import commit_adds, latest_version
+from lakehouse.delta_read import commit_adds, latest_version, row_count
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,32 +29,78 @@ _CHECKPOINTS = {"bronze": ("bronze",), "silver": ("silver",), "gold": ("gold_met
 
 
 def _committed_offset(checkpoint: str) -> dict | None:
-    """The end offset of the last committed batch in a checkpoint (None if nothing yet)."""
-    commits = [int(p.name) for p in Path(checkpoint, "commits").glob("[0-9]*")] if Path(checkpoint, "commits").exists() else []
+    """The first source's end offset of the last committed batch (None if nothing yet): Spark's
+    kafka source writes ``{topic: {partition: offset}}``, Delta's ``{"reservoirVersion": N,
+    "index": I, "isStartingVersion": ...}``."""
+    commits_dir = Path(checkpoint, "commits")
+    commits = [int(p.name) for p in commits_dir.glob("[0-9]*")] if commits_dir.exists() else []
     if not commits:
         return None
     lines = Path(checkpoint, "offsets", str(max(commits))).read_text().splitlines()
     return json.loads(lines[2])
 
 
+def kafka_offsets(settings: Settings) -> dict[int, tuple[int, int]]:
+    """partition -> (low, high) watermark of the topic (high: the next offset to be written)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from lakehouse.kafka_config import client_config
+
+    c = Consumer(client_config(settings, **{"group.id": "iotlake-backfill-probe",
+                                            "enable.auto.commit": False}))
+    try:
+        topic = c.list_topics(settings.kafka.topic, timeout=10).topics[settings.kafka.topic]
+        if topic.error is not None:
+            return {}
+        return {p: c.get_watermark_offsets(TopicPartition(settings.kafka.topic, p), timeout=10)
+                for p in topic.partitions}
+    finally:
+        c.close()
+
+
+def _delta_done(offset: dict | None) -> tuple[int, int]:
+    """(version, index): files of ``version`` after ``index`` and later versions are to do."""
+    if offset is None:
+        return -1, -1
+    return int(offset["reservoirVersion"]), int(offset.get("index", -1))
+
+
 def rows_to_do(settings: Settings, layer: str) -> int:
-    """Upstream rows the layer has not processed yet."""
+    """Upstream rows the layer has not processed yet (for progress logs: a Delta source part-way
+    through its initial snapshot counts that snapshot as done)."""
     query, upstream = _UPSTREAM[layer]
     done = _committed_offset(settings.checkpoint_path(query))
     if upstream == "kafka":
-        from lakehouse.kafka_source import KafkaStreamReader
-
-        reader = KafkaStreamReader({"bootstrap": settings.kafka_bootstrap, "topic": settings.kafka.topic,
-                                    "client_config": json.dumps(settings.kafka.client_config)})
-        try:
-            start = done or reader.initialOffset()
-            ends = reader._true_ends()
-        finally:
-            reader.stop()
-        return sum(max(0, e - start.get(p, 0)) for p, e in ends.items())
+        committed = (done or {}).get(settings.kafka.topic, {})
+        return sum(max(0, high - int(committed.get(str(p), low)))
+                   for p, (low, high) in kafka_offsets(settings).items())
     path = settings.table_path(upstream)
-    first = (done or {"version": -1})["version"] + 1
-    return sum(n for v in range(first, latest_version(path) + 1) for _, n in commit_adds(path, v))
+    if done is None:  # a fresh Delta source reads the latest snapshot, then the later commits
+        return row_count(path)
+    version, index = _delta_done(done)
+    latest = latest_version(path)
+    if done.get("isStartingVersion"):
+        if index == -1:
+            return row_count(path)  # the initial snapshot not started yet
+        todo = 0
+    elif version > latest:  # (latest + 1, -1): everything read
+        return 0
+    else:
+        todo = sum(n for i, (_, n) in enumerate(commit_adds(path, version)) if i > index)
+    return todo + sum(n for v in range(version + 1, latest + 1) for _, n in commit_adds(path, v))
+
+
+#: Delta source offset index past a version's last file (``DeltaSourceOffset.END_INDEX``).
+END_INDEX = 2**63 - 1 - 100
+
+
+def _processed_through(offset: dict | None) -> int:
+    """The last upstream version a Delta source has fully processed (-1: none): a version is
+    done when the offset's index is ``END_INDEX``; -1 or a file index: the one before."""
+    if offset is None:
+        return -1
+    version, index = _delta_done(offset)
+    return version if index == END_INDEX else version - 1
 
 
 def caught_up(settings: Settings, layer: str, bronze_version: int | None = None) -> bool:
@@ -68,7 +114,7 @@ def caught_up(settings: Settings, layer: str, bronze_version: int | None = None)
     target = latest_version(settings.table_path(_UPSTREAM[layer][1]))
     if layer == "silver" and bronze_version is not None:
         target = min(target, bronze_version)
-    return all((_committed_offset(settings.checkpoint_path(q)) or {"version": -1})["version"] >= target
+    return all(_processed_through(_committed_offset(settings.checkpoint_path(q))) >= target
                for q in _CHECKPOINTS[layer])
 
 
@@ -86,8 +132,7 @@ def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
         raise ValueError("--max-rows must be > 0")
     if max_rows:
         settings = settings.model_copy(deep=True)
-        settings.stream.max_offsets_per_trigger = max_rows
-        settings.stream.max_rows_per_trigger = max_rows
+        settings.stream.max_offsets_per_trigger = max_rows  # Kafka; Delta sources bound files
     done: dict[str, int] = {}
     try:
         # refuse before starting Spark (seconds) if a live stream holds any checkpoint needed
@@ -129,5 +174,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("backfill", help="catch layers up in batch (availableNow) on the live checkpoints")
     p.add_argument("--layer", action="append", choices=["bronze", "silver", "gold"], required=True,
                    help="layer to catch up (repeatable; run upstream first)")
-    p.add_argument("--max-rows", type=int, default=None, help="max rows per micro-batch")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="max Kafka records per bronze micro-batch (silver and gold batches are "
+                        "bounded by files: stream.silver_max_files_per_trigger, "
+                        "gold.max_files_per_trigger)")
     p.set_defaults(func=lambda a, s: (print(json.dumps(backfill(s, a.layer, a.max_rows))), 0)[1])

@@ -1,13 +1,14 @@
 """Running on a Spark cluster: ship iotlake's code to executors; throwaway standalone clusters.
 
-Executors unpickle our Python data sources, UDFs and state functions by module name, so they
-need ``lakehouse``, ``bronze``, ``silver``, ``gold`` and ``ingest`` importable. When the master
-is not ``local[...]``, :func:`ship_packages` zips those packages (plus the expectation suites)
-and adds the zip with ``SparkContext.addPyFile``: nothing has to be installed on the workers
+Executors unpickle our UDFs and state functions by module name, so they need ``lakehouse``,
+``bronze``, ``silver``, ``gold`` and ``ingest`` importable. When the master is not
+``local[...]``, :func:`ship_packages` zips those packages (plus the expectation suites) and
+adds the zip with ``SparkContext.addPyFile``: nothing has to be installed on the workers
 except the same Python with iotlake's dependencies (``pip install iotlake`` there works too).
 
 :class:`StandaloneCluster` starts one master and N workers from pyspark's own jars (no Spark
-download), for the scale-out tests and benchmarks.
+download), for the scale-out tests and benchmarks. The JVM side (delta-spark, Spark's Kafka
+connector, S3A) reaches executors through ``spark.jars``, which the driver serves to them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Top-level packages executors import (data sources, UDFs, state functions live in them).
+#: Top-level packages executors import (UDFs and state functions live in them).
 PACKAGES = ("lakehouse", "ingest", "bronze", "silver", "gold")
 _ROOT = Path(__file__).resolve().parents[1]
 

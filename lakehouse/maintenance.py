@@ -149,7 +149,7 @@ def compact(settings: Settings, tables: list[str] | None = None, target_size: in
             out.append({"table": table, "mode": "missing"})
             continue
         spark = spark or session(settings)
-        stats = _retry(lambda p=path, t=table: _compact_table(spark, p, t, size, use_z),
+        stats = _retry(lambda p=path, t=table, sp=spark: _compact_table(sp, p, t, size, use_z),
                        f"compact {table}")
         log.info("compact %s: %s", table, stats)
         out.append(stats)
@@ -201,10 +201,10 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
                  str(max(2, spark.sparkContext.defaultParallelism))}
         sql = f"VACUUM {_quoted(path)} RETAIN {hours} HOURS"
         with _confs(spark, confs):
-            listed = _retry(lambda s=sql: [r[0] for r in spark.sql(s + " DRY RUN").collect()],
+            listed = _retry(lambda s=sql, sp=spark: [r[0] for r in sp.sql(s + " DRY RUN").collect()],
                             f"vacuum {table}")
             if listed and not dry_run:
-                _retry(lambda s=sql: spark.sql(s).collect(), f"vacuum {table}")
+                _retry(lambda s=sql, sp=spark: sp.sql(s).collect(), f"vacuum {table}")
         deleted = sorted(_relative(path, f) for f in listed)
         log.info("vacuum %s (%s h, dry_run=%s): %d files", table, hours, dry_run, len(deleted))
         out.append({"table": table, "retention_hours": hours, "dry_run": dry_run,

@@ -2,8 +2,10 @@
 
 A PySpark ``StreamingQueryListener`` turns each progress event into a ``pipeline_metrics`` row
 (input rows, rates, batch duration and its parts, state rows and memory, watermark, rows dropped
-by the watermark, duplicates dropped, consumer lag) and updates Prometheus gauges. Rows are
-buffered and MERGEd on (query_id, batch_id), so a batch replayed after a restart is one row.
+by the watermark, duplicates dropped, consumer lag) and updates Prometheus gauges. The callback
+only buffers: a background thread MERGEs the buffer into the table with delta-spark every few
+seconds (a Spark job inside the listener would stall Spark's listener bus), keyed on
+(query_id, batch_id), so a batch replayed after a restart is one row.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
+import uuid
 from datetime import datetime
 
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
+from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
-from lakehouse.delta_io import ensure_table
+from lakehouse.delta_read import latest_version
+from lakehouse.delta_tables import ensure_table, upsert
 from lakehouse.tables import PIPELINE_METRICS
 
 log = logging.getLogger(__name__)
@@ -43,18 +47,46 @@ def _offsets(value) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+#: Delta source offset index past a version's last file (``DeltaSourceOffset.END_INDEX``).
+END_INDEX = 2**63 - 1 - 100
+
+
+def _partitions(offsets: dict) -> dict[str, int]:
+    """Spark's kafka source offsets ``{topic: {partition: offset}}`` flattened."""
+    return {f"{t}/{p}": int(o) for t, parts in offsets.items() if isinstance(parts, dict)
+            for p, o in parts.items()}
+
+
+def _delta_path(description: str) -> str | None:
+    """The table of a Delta source, from its description ``DeltaSource[file:/...]``."""
+    if not description.startswith("DeltaSource[") or not description.endswith("]"):
+        return None
+    path = description[len("DeltaSource["):-1]
+    return path[len("file:"):] if path.startswith("file:") else path
+
+
 def lag_of(source: dict) -> int | None:
-    """Kafka: sum over partitions of latest - read; Delta: latest version - read version."""
-    end, latest = _offsets(source.get("endOffset")), _offsets(source.get("latestOffset"))
-    if not end or not latest:
+    """Kafka: records not yet read (sum over partitions of latest - read offset); Delta: table
+    versions not yet fully read (Delta's source reports no latest offset: the table's latest
+    version, read from its log without a JVM call)."""
+    end = _offsets(source.get("endOffset"))
+    if not end:
         return None
-    if "version" in end and "version" in latest:
-        return max(0, int(latest["version"]) - int(end["version"]))
-    try:
-        return sum(max(0, int(latest[p]) - int(end.get(p, 0))) for p in latest
-                   if p.isdigit())  # not the "cluster" key
-    except (TypeError, ValueError):
+    if "reservoirVersion" in end:
+        path = _delta_path(source.get("description") or "")
+        if path is None:
+            return None
+        version, index = int(end["reservoirVersion"]), int(end.get("index", -1))
+        done = version if index == END_INDEX else version - 1  # fully read versions
+        try:
+            return max(0, latest_version(path, known=max(done, 0)) - done)
+        except Exception:  # noqa: BLE001 - a lag figure must never break a stream
+            return None
+    latest = _partitions(_offsets(source.get("latestOffset")))
+    read = _partitions(end)
+    if not latest:
         return None
+    return sum(max(0, o - read.get(p, 0)) for p, o in latest.items())
 
 
 #: Figures a foreachBatch writer measured itself (silver's dedup index keeps state outside
@@ -119,22 +151,29 @@ class _JsonEvents:
         pass
 
     def onQueryTerminated(self, jevent) -> None:
-        self.listener.flush()
+        pass  # the writer thread flushes; no Spark job on the listener bus
 
     class Java:
         implements = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
 
 
 class MetricsListener(StreamingQueryListener):
-    """Records progress to ``pipeline_metrics`` (flushed every ``flush_seconds``) and Prometheus."""
+    """Records progress to Prometheus at once and to ``pipeline_metrics`` every
+    ``flush_seconds`` (from its own thread)."""
 
-    def __init__(self, table_path: str, flush_seconds: float = 5.0) -> None:
+    def __init__(self, spark: SparkSession, table_path: str, flush_seconds: float = 5.0) -> None:
+        self.spark = spark
         self.path = table_path
         self.flush_seconds = flush_seconds
         self._rows: list[dict] = []
-        self._lock = threading.Lock()
-        self._last_flush = time.monotonic()
-        ensure_table(table_path, PIPELINE_METRICS)
+        self._lock = threading.Lock()  # the buffer
+        self._write_lock = threading.Lock()  # one MERGE at a time, in order
+        self._flushes = 0
+        self._app_id = f"pipeline_metrics-{uuid.uuid4()}"
+        self._stop = threading.Event()
+        ensure_table(spark, table_path, PIPELINE_METRICS)
+        self._thread = threading.Thread(target=self._run, name="iotlake-metrics-writer", daemon=True)
+        self._thread.start()
 
     def onQueryStarted(self, event) -> None:
         pass
@@ -170,39 +209,46 @@ class MetricsListener(StreamingQueryListener):
             LAG.labels(q).set(row["lag"])
         with self._lock:
             self._rows.append(row)
-        if time.monotonic() - self._last_flush >= self.flush_seconds:
-            self.flush()
 
     def onQueryIdle(self, event) -> None:
         pass
 
     def onQueryTerminated(self, event) -> None:
+        # not here: a MERGE is a Spark job, and this runs on the listener bus. Soon enough.
+        pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_seconds):
+            if self.spark.sparkContext._jsc is None:  # the session stopped: nothing to write to
+                return
+            self.flush()
+
+    def close(self) -> None:
+        """Stop the writer thread after a last flush."""
+        self._stop.set()
+        self._thread.join(timeout=60)
         self.flush()
 
     def flush(self) -> None:
         """MERGE buffered rows into ``pipeline_metrics`` (one row per query and batch)."""
-        with self._lock:
-            rows, self._rows = self._rows, []
-            self._last_flush = time.monotonic()
-        if not rows:
-            return
-        latest = {(r["query_id"], r["batch_id"]): r for r in rows}  # last report of a batch wins
-        data = pa.Table.from_pylist([{k: r.get(k) for k in PIPELINE_METRICS.names} for r in latest.values()],
-                                    schema=PIPELINE_METRICS)
-        try:
-            from lakehouse.delta_io import _retry_conflicts, latest_table
-
-            def merge() -> None:
-                with latest_table(self.path) as dt:
-                    (dt.merge(data, "t.query_id = s.query_id AND t.batch_id = s.batch_id",
-                              source_alias="s", target_alias="t")
-                     .when_matched_update_all().when_not_matched_insert_all().execute())
-
-            # Roles in separate processes (``run --role``) MERGE into this table concurrently:
-            # a commit conflict is retried (the MERGE is keyed, so a retry is idempotent).
-            _retry_conflicts(merge)
-        except Exception:  # noqa: BLE001
-            log.exception("could not write pipeline_metrics; %d rows dropped", len(rows))
+        with self._write_lock:
+            with self._lock:
+                rows, self._rows = self._rows, []
+            if not rows:
+                return
+            latest = {(r["query_id"], r["batch_id"]): r for r in rows}  # last report of a batch wins
+            data = pa.Table.from_pylist([{k: r.get(k) for k in PIPELINE_METRICS.names}
+                                         for r in latest.values()], schema=PIPELINE_METRICS)
+            try:
+                if self.spark.sparkContext._jsc is None:  # the session stopped
+                    raise RuntimeError("the Spark session is stopped")
+                # Roles in separate processes (``run --role``) MERGE into this table at the same
+                # time: upsert retries commit conflicts (the MERGE is keyed: a retry is harmless)
+                upsert(self.spark.createDataFrame(data), self.path, ["query_id", "batch_id"],
+                       self._app_id, self._flushes)
+                self._flushes += 1
+            except Exception:  # noqa: BLE001
+                log.exception("could not write pipeline_metrics; %d rows dropped", len(rows))
 
 
 def install(spark, settings) -> MetricsListener:
@@ -212,9 +258,9 @@ def install(spark, settings) -> MetricsListener:
     if existing is not None:
         if existing.path == path:
             return existing
-        existing.flush()
+        existing.close()
         spark.streams.removeListener(existing)
-    listener = MetricsListener(path)
+    listener = MetricsListener(spark, path)
     spark.streams.addListener(listener)
     spark._iotlake_metrics = listener
     return listener

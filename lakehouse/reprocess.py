@@ -4,7 +4,9 @@ E.g. after fixing an expectation suite or the anomaly configuration. The rebuild
 new *generation* (its own tables and fresh checkpoints, named after the bronze version, so a
 rerun resumes or reuses it), is validated (row accounting against bronze as of that version,
 plus the expectation suite), and only then are readers switched to it by atomically replacing
-``CURRENT_GENERATION``. Live streams started afterwards continue the new generation from that
+``CURRENT_GENERATION``. Silver reads bronze with Delta's streaming source under
+``Trigger.AvailableNow``, keeping the rows bronze held at that version (``silver.stream``'s
+``bronze_ending_version``). Live streams started afterwards continue the new generation from that
 bronze version on. Bronze itself is never rewritten.
 """
 
@@ -17,9 +19,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from deltalake import DeltaTable
-
-from lakehouse.delta_io import table_exists
+from lakehouse.delta_read import open_table, row_count, table_exists
 from lakehouse.settings import DERIVED_QUERIES, Settings
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def resolve_bronze_version(settings: Settings, version: int | None, timestamp: s
     path = settings.table_path("bronze")
     if not table_exists(path):
         raise ValueError(f"no bronze table at {path}")
-    dt = DeltaTable(path)
+    dt = open_table(path)
     if version is not None:
         if not 0 <= version <= dt.version():
             raise ValueError(f"bronze has versions 0..{dt.version()}; {version} does not exist")
@@ -45,11 +45,11 @@ def resolve_bronze_version(settings: Settings, version: int | None, timestamp: s
 
 
 def _bronze_rows(settings: Settings, version: int) -> int:
-    return DeltaTable(settings.table_path("bronze"), version=version).to_pyarrow_dataset().count_rows()
+    return row_count(settings.table_path("bronze"), version)
 
 
 def _rows(path: str) -> int:
-    return DeltaTable(path).to_pyarrow_dataset().count_rows() if table_exists(path) else 0
+    return row_count(path)
 
 
 def plan(settings: Settings, bronze_version: int) -> dict:

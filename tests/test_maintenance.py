@@ -46,7 +46,9 @@ def build_silver(settings: Settings, appends: int = APPENDS) -> str:
     from pyspark.sql import SparkSession
 
     path = settings.table_path("silver")
-    ensure_table(SparkSession.getActiveSession(), path, SILVER)
+    spark = SparkSession.getActiveSession()
+    if spark is not None:  # created as the streams create it; else by the first append
+        ensure_table(spark, path, SILVER)
     for i in range(appends):
         write_deltalake(path, silver_batch(i), mode="append")
     return path

@@ -160,42 +160,13 @@ def _matches(check, *args) -> bool:
     return True
 
 
-def _kafka_options(s: Settings) -> dict[str, str]:
-    """The options bronze.stream passes to iotlake_kafka (captured by a stand-in reader)."""
+def test_kafka_min_partitions_is_wired(settings: Settings, spark) -> None:
+    """stream.kafka_min_partitions reaches Spark's kafka source as minPartitions (more tasks
+    than Kafka partitions for a catch-up), read back from the planned source."""
     import bronze.stream
 
-    captured: dict[str, str] = {}
-
-    class Reader:
-        def format(self, _):
-            return self
-
-        def option(self, k, v):
-            captured[k] = v
-            return self
-
-        def load(self):
-            return None
-
-    class FakeSpark:
-        readStream = Reader()
-
-    bronze.stream.kafka_stream(FakeSpark(), s)
-    return captured
-
-
-# ---- object storage (S3 API served by moto, credentials checked) -------------------------
-
-def test_kafka_split_records_is_wired(settings: Settings) -> None:
-    """stream.kafka_split_records reaches the Kafka source: N records -> ceil(N/split) ranges."""
-    from lakehouse.kafka_source import KafkaStreamReader
-
     s = settings.model_copy(deep=True)
-    s.stream.kafka_split_records = 100
-    opts = _kafka_options(s)
-    assert opts["split_records"] == "100"
-    parts = KafkaStreamReader(opts).partitions({"0": 0, "1": 0}, {"0": 250, "1": 100})
-    for kp, n, end in ((0, 3, 250), (1, 1, 100)):
-        r = [(p.start, p.end) for p in parts if p.partition == kp]
-        assert len(r) == n and r[0][0] == 0 and r[-1][1] == end  # contiguous, all covered
-        assert all(a[1] == b[0] for a, b in zip(r, r[1:], strict=False)) and max(e - b for b, e in r) <= 100
+    s.stream.kafka_min_partitions = 7
+    df = bronze.stream.kafka_stream(spark, s)
+    plan = df._jdf.queryExecution().logical().toString()
+    assert "minPartitions -> 7" in plan or "minpartitions -> 7" in plan.lower(), plan[:2000]
