@@ -1,9 +1,13 @@
-"""Benchmark: an analyst query on a silver-like table before and after ``iotlake compact``.
+"""Benchmark: analyst queries on a silver-like table before and after compaction, by layout.
 
-Streaming leaves one small file per micro-batch; this builds 500 such commits (200 rows each,
-1000 devices, 24 h of event_time), times a 24-hour per-device aggregate (DuckDB over the delta-rs
-dataset, table open included, median of N runs), compacts, and times it again. Results must be
-identical. Last line: one JSON object.
+Streaming leaves one small file per micro-batch; this builds that many commits (1000 devices,
+24 h of event_time), copies the table three times and lays each copy out with delta-spark:
+OPTIMIZE bin-packing, OPTIMIZE ZORDER BY (device_id, event_time) (``iotlake compact``), and
+liquid clustering (CLUSTER BY the same columns, then OPTIMIZE). It times a 24-hour per-device
+aggregate and a one-device, one-hour lookup through delta-rs + DuckDB (what the dashboard and
+``iotlake query`` do: the readers the layout is for; table open included, median of N runs).
+Results must be identical in every layout, and delta-rs must read each. Last line: one JSON
+object.
 
     .venv/bin/python bench/compaction.py [--commits 500] [--rows 200] [--runs 5]
 """
@@ -25,8 +29,8 @@ import duckdb
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
-from lakehouse.delta_io import utc_arrow_schema
-from lakehouse.maintenance import compact
+from lakehouse.delta_tables import ensure_table
+from lakehouse.maintenance import compact, session
 from lakehouse.settings import load_settings
 from lakehouse.tables import SILVER
 
@@ -37,6 +41,10 @@ SELECT device_id, count(*) AS n, avg(temperature) AS t_avg, min(temperature) AS 
 FROM silver
 WHERE event_time >= $start AND event_time < $end
 GROUP BY device_id ORDER BY device_id
+"""
+LOOKUP = """
+SELECT event_time, temperature FROM silver
+WHERE device_id = 'dev-00042' AND event_time >= $start AND event_time < $end ORDER BY event_time
 """
 
 
@@ -58,21 +66,39 @@ def batch(i: int, rows: int, devices: int, rng: random.Random) -> pa.Table:
         "kafka_partition": [k % 4 for k in range(rows)],
         "kafka_offset": list(range(base, base + rows)),
         "ingest_time": times,
-    }, schema=SILVER).cast(utc_arrow_schema(SILVER))
+    }, schema=SILVER)
 
 
-def analyst_query(path: str) -> tuple[float, list[tuple]]:
+def run_query(path: str, sql: str, hours: int) -> tuple[float, list[tuple]]:
     start = time.perf_counter()
     silver = DeltaTable(path).to_pyarrow_dataset()  # noqa: F841 (DuckDB scans it by name)
     con = duckdb.connect()
     con.execute("SET threads = 2")
-    rows = con.execute(QUERY, {"start": T0, "end": T0 + timedelta(hours=24)}).fetchall()
+    rows = con.execute(sql, {"start": T0 + timedelta(hours=12),
+                             "end": T0 + timedelta(hours=12 + hours)}).fetchall() \
+        if hours < 24 else con.execute(sql, {"start": T0, "end": T0 + timedelta(hours=24)}).fetchall()
     return time.perf_counter() - start, rows
 
 
-def timed(path: str, runs: int) -> tuple[float, list[tuple]]:
-    results = [analyst_query(path) for _ in range(runs)]
-    return statistics.median(t for t, _ in results), results[0][1]
+def timed(path: str, runs: int) -> dict[str, tuple[float, list[tuple]]]:
+    out = {}
+    for name, sql, hours in (("aggregate", QUERY, 24), ("lookup", LOOKUP, 1)):
+        results = [run_query(path, sql, hours) for _ in range(runs)]
+        out[name] = (statistics.median(t for t, _ in results), results[0][1])
+    return out
+
+
+def liquid(spark, path: str, target_size: int) -> dict:
+    """CLUSTER BY on the existing table, then OPTIMIZE (clusters every file)."""
+    q = "delta.`" + path + "`"
+    spark.conf.set("spark.databricks.delta.optimize.maxFileSize", str(target_size))
+    spark.sql(f"ALTER TABLE {q} CLUSTER BY (device_id, event_time)")
+    m = spark.sql(f"OPTIMIZE {q}").collect()[0]["metrics"]
+    spark.conf.unset("spark.databricks.delta.optimize.maxFileSize")
+    dt = DeltaTable(path)
+    return {"files_removed": m["numFilesRemoved"], "files_after": len(dt.file_uris()),
+            "protocol": [dt.protocol().min_reader_version, dt.protocol().min_writer_version,
+                         sorted(dt.protocol().writer_features or [])]}
 
 
 def _same(a: list[tuple], b: list[tuple]) -> bool:
@@ -88,30 +114,45 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200)
     ap.add_argument("--devices", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--target-size", type=int, default=1 << 20,
+                    help="OPTIMIZE file size (small: several files, so layout matters)")
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-bench-"))
     try:
-        settings = load_settings(environ={}, data_root=str(root))
-        path = settings.table_path("silver")
+        base = load_settings(environ={}, data_root=str(root / "base"),
+                             spark={"master": "local[2]", "shuffle_partitions": 2})
+        spark = session(base)
+        path = base.table_path("silver")
+        ensure_table(spark, path, SILVER)  # as the streams create it
         rng = random.Random(7)
         t = time.perf_counter()
         for i in range(args.commits):
             write_deltalake(path, batch(i, args.rows, args.devices, rng), mode="append")
         print(f"built {args.commits} commits in {time.perf_counter() - t:.1f}s")
-
-        q_before, res_before = timed(path, args.runs)
-        t = time.perf_counter()
-        [stats] = compact(settings, ["silver"])
-        print(f"compact: {stats} in {time.perf_counter() - t:.1f}s")
-        q_after, res_after = timed(path, args.runs)
-        assert _same(res_after, res_before), "compaction changed query results"
-        assert sum(r[1] for r in res_after) == args.commits * args.rows
-        print(json.dumps({
-            "files_before": stats["files_before"], "files_after": stats["files_after"],
-            "query_s_before": round(q_before, 4), "query_s_after": round(q_after, 4),
-            "speedup": round(q_before / q_after, 1),
-        }))
+        before = timed(path, args.runs)
+        out: dict = {"files_before": len(DeltaTable(path).file_uris()),
+                     "rows": args.commits * args.rows, "target_size": args.target_size,
+                     "before": {k: round(v[0], 4) for k, v in before.items()}}
+        for layout in ("compact", "zorder", "liquid"):
+            s = load_settings(environ={}, data_root=str(root / layout))
+            p = s.table_path("silver")
+            shutil.copytree(path, p)
+            t = time.perf_counter()
+            if layout == "liquid":
+                stats = liquid(spark, p, args.target_size)
+            else:
+                [stats] = compact(s, ["silver"], target_size=args.target_size,
+                                  zorder=layout == "zorder")
+            took = time.perf_counter() - t
+            after = timed(p, args.runs)
+            for k in before:
+                assert _same(after[k][1], before[k][1]), f"{layout} changed {k} results"
+            print(f"{layout}: {stats} in {took:.1f}s")
+            out[layout] = {"optimize_s": round(took, 1), "files_after": stats["files_after"],
+                           **{k: round(v[0], 4) for k, v in after.items()},
+                           **({"protocol": stats["protocol"]} if "protocol" in stats else {})}
+        print(json.dumps(out))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

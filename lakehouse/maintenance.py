@@ -7,9 +7,9 @@ delivered twice. Every operation plans from the latest snapshot and does nothing
 nothing to do, so a retried task is harmless; commit conflicts with the live streams are retried
 (``delta_tables.retry_conflicts``).
 
-Z-order, not liquid clustering: clustering adds the ``clustering`` writer feature and domain
-metadata to every table, and measured no faster here (``bench/compaction.py``; figures in
-``docs/benchmarks.md``). Cheap look-ups (does the table exist, its files, the version at a time)
+Z-order, not liquid clustering: clustering raises every table to writer protocol 7 (the
+``clustering`` and ``domainMetadata`` features; delta-rs still reads it) and did not beat
+Z-order or plain bin-packing for the delta-rs + DuckDB readers in ``bench/compaction.py``. Cheap look-ups (does the table exist, its files, the version at a time)
 go through delta-rs (``lakehouse.delta_read``), without a JVM.
 """
 
