@@ -2,58 +2,87 @@
 
 Nothing is parsed away: raw key and value bytes, topic / partition / offset / Kafka timestamp,
 headers, and the time bronze ingested it. Malformed payloads are kept byte for byte.
+
+Spark's Kafka source keeps the offsets in the checkpoint and the Delta sink commits each
+micro-batch with the query id and batch id as its transaction, so a batch replayed after a crash
+is written once: exactly-once with no code of ours.
 """
 
 from __future__ import annotations
 
-import json
-
-import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_io import ensure_table
-from lakehouse.kafka_source import ARROW_SCHEMA as KAFKA_ARROW
+from lakehouse import delta_tables
 from lakehouse.settings import Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.tables import BRONZE
 
 TABLE = "bronze"
-SCHEMA = pa.schema(list(KAFKA_ARROW) + [pa.field("ingest_time", pa.timestamp("us", tz="UTC"))])
+SCHEMA = BRONZE
+
+#: librdkafka keys the Java client reads under the same name (``kafka.`` prefixed for Spark).
+_SHARED_KEYS = ("security.protocol", "sasl.mechanism", "ssl.endpoint.identification.algorithm",
+                "client.id", "request.timeout.ms")
+_JAAS = {"PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+         "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+         "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule"}
+
+
+def java_client_options(client_config: dict[str, str]) -> dict[str, str]:
+    """Spark ``kafka.*`` options from the librdkafka-style ``kafka.client_config`` the bridge
+    uses: the keys both clients share, ``ssl.ca.location`` as a PEM truststore, and a JAAS line
+    for PLAIN / SCRAM built from ``sasl.username`` / ``sasl.password``."""
+    c = dict(client_config)
+    out = {f"kafka.{k}": str(c[k]) for k in _SHARED_KEYS if k in c}
+    if "ssl.ca.location" in c:
+        out["kafka.ssl.truststore.location"] = str(c["ssl.ca.location"])
+        out["kafka.ssl.truststore.type"] = "PEM"
+    user = c.get("sasl.username")
+    if user is not None:
+        mech = str(c.get("sasl.mechanism", "PLAIN")).upper()
+        if mech not in _JAAS:
+            raise ValueError(f"kafka.client_config: sasl.mechanism {mech!r} is not supported by "
+                             f"bronze's Kafka source (use one of {', '.join(_JAAS)})")
+        pw = str(c.get("sasl.password", "")).replace("\\", "\\\\").replace('"', '\\"')
+        u = str(user).replace("\\", "\\\\").replace('"', '\\"')
+        out["kafka.sasl.jaas.config"] = f'{_JAAS[mech]} required username="{u}" password="{pw}";'
+    return out
 
 
 def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | None = None) -> DataFrame:
-    return (
-        spark.readStream.format("iotlake_kafka")
-        .option("bootstrap", settings.kafka_bootstrap)
-        .option("topic", settings.kafka.topic)
-        .option("max_offsets_per_trigger", str(max_offsets or settings.stream.max_offsets_per_trigger))
-        .option("client_config", json.dumps(settings.kafka.client_config))
-        .option("split_records", str(settings.stream.kafka_split_records))
-        .option("task_rows", str(settings.stream.task_rows))
-        .option("fail_on_data_loss", str(settings.stream.kafka_fail_on_data_loss).lower())
-        # no bootstrap = the embedded Tansu, which keeps records in memory only
-        .option("ephemeral_broker", str(not settings.kafka.bootstrap).lower())
-        .load()
+    """The topic as Spark's Kafka source reads it, in bronze's columns."""
+    st = settings.stream
+    reader = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", settings.kafka_bootstrap)
+        .option("subscribe", settings.kafka.topic)
+        .option("startingOffsets", "earliest")
+        .option("maxOffsetsPerTrigger", str(max_offsets or st.max_offsets_per_trigger))
+        .option("failOnDataLoss", str(st.kafka_fail_on_data_loss).lower())
+        .option("includeHeaders", "true")
     )
-
-
-#: Stamped by the Delta sink as it writes (``ingest_time_column``), not ``current_timestamp()`` in
-#: the plan: Spark inlines that literal into generated code, a new class to compile every batch.
-INGEST_TIME = "ingest_time"
+    if st.kafka_min_partitions:
+        reader = reader.option("minPartitions", str(st.kafka_min_partitions))
+    for k, v in java_client_options(settings.kafka.client_config).items():
+        reader = reader.option(k, v)
+    return reader.load().select(
+        "key", "value", "topic", "partition", "offset", "timestamp", "headers",
+        F.current_timestamp().alias("ingest_time"))
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           max_offsets: int | None = None) -> StreamingQuery:
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
-    ensure_table(path, SCHEMA)
+    delta_tables.ensure_table(spark, path, SCHEMA)  # readers see an empty table before data
+    query_id(ckpt)  # lock the checkpoint: a second writer fails fast
     writer = (
-        kafka_stream(spark, settings, max_offsets).writeStream.format("iotlake_delta")
+        kafka_stream(spark, settings, max_offsets).writeStream.format("delta")
         .queryName(TABLE)
-        .option("path", path)
-        .option("ingest_time_column", INGEST_TIME)
-        .option("app_id", query_id(ckpt))
+        .outputMode("append")
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )
     with pool(spark, "bronze"):
-        return writer.start()
+        return writer.start(path)
