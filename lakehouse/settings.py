@@ -157,17 +157,18 @@ class StreamSettings(_Section):
     # On a graceful stop (SIGTERM / Ctrl-C) each query gets up to this long to finish the
     # micro-batch it is running; stopping mid-batch cancels its jobs (replayed at restart).
     graceful_stop_seconds: float = Field(30.0, ge=0)
-    # >0: split a Kafka partition's range per batch into Spark tasks of this many records
-    # (more parallelism than partitions for catch-up); 0: one task per Kafka partition.
-    kafka_split_records: int = Field(0, ge=0)
-    # A micro-batch's Kafka ranges / upstream files are packed into Spark tasks of about this
-    # many rows: each task of a Python data source costs a worker round trip (and a bronze file),
-    # which at live rates outweighs the rows. 0: one task per Kafka partition / Delta file.
-    task_rows: int = Field(50_000, ge=0)
+    # Spark Kafka source's minPartitions: >0 splits large partition ranges into at least this
+    # many tasks per bronze batch (catch-up on more cores than partitions); 0: one task per
+    # Kafka partition.
+    kafka_min_partitions: int = Field(0, ge=0)
     # Unread records gone from Kafka (topic recreated, retention, lost broker storage): fail the
     # bronze stream (default) or log it and go on from what the topic holds.
     kafka_fail_on_data_loss: bool = True
-    max_rows_per_trigger: int = Field(500_000, ge=1)
+    # Bronze read per silver micro-batch (Delta source's maxFilesPerTrigger / maxBytesPerTrigger,
+    # the first reached wins, at least one file): bounds a catch-up batch, which the dedup index
+    # collects to the driver. 0 bytes: files only.
+    silver_max_files_per_trigger: int = Field(1000, ge=1)
+    silver_max_bytes_per_trigger: int = Field(64 << 20, ge=0)
     watermark_seconds: int = Field(600, ge=0)
     # Silver's dedup within the watermark: "index" (driver-side, cost per batch grows with the
     # batch only: silver/dedup.py) or "state_store" (Spark's dropDuplicatesWithinWatermark,
