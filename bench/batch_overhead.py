@@ -32,7 +32,10 @@ from lakehouse.spark import spark_session
 
 def settings_for(root: Path, name: str, batch_rows: int, conf: dict[str, str]) -> Settings:
     return load_settings(environ={}, data_root=str(root / name),
-                         stream={"max_rows_per_trigger": batch_rows},
+                         # one bronze commit (= one file, --batch-rows rows) per silver batch;
+                         # a silver batch writes about two files (the local session's parallelism)
+                         stream={"silver_max_files_per_trigger": 1, "silver_max_bytes_per_trigger": 0},
+                         gold={"max_files_per_trigger": 2, "max_bytes_per_trigger": 0},
                          spark={"conf": conf})
 
 

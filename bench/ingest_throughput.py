@@ -1,14 +1,15 @@
 """Benchmark: Kafka -> bronze throughput against Spark's ``noop`` sink as the ceiling.
 
-Produces N ~150-byte telemetry JSON messages into a 4-partition topic on an embedded Tansu, then
-drains it twice with ``availableNow``: once into bronze (``bronze.stream.start``) and once into
+Produces N ~150-byte telemetry JSON messages into a 4-partition topic on the embedded Apache
+Kafka, then drains it twice with ``availableNow``: once into bronze (``bronze.stream.start``:
+Spark's Kafka source into the Delta sink) and once into
 ``noop`` with the same Kafka stream, after a warm-up of both on another topic (the JVM's JIT
 would otherwise bill whichever runs first). The first micro-batch pays query start-up, so
 "steady" rates leave it out; on shared cores, CPU microseconds per row (whole process tree,
-Tansu included) are the load-independent figure. Checks bronze holds every record exactly once.
+the broker included) are the load-independent figure. Checks bronze holds every record exactly once.
 Last line: one JSON object.
 
-    .venv/bin/python bench/ingest_throughput.py [--messages 1000000] [--max-offsets 250000]
+    .venv/bin/python bench/ingest_throughput.py [--messages 1000000] [--max-offsets 250000] [--smoke]
 """
 
 from __future__ import annotations
@@ -193,17 +194,20 @@ def main() -> None:
                     help="messages drained through both sinks first (another topic), so JIT "
                          "compilation is not charged to whichever query runs first; 0: none")
     ap.add_argument("--headers", action="store_true", help="attach two headers per message")
-    ap.add_argument("--port", type=int, default=0, help="Tansu port (default: a free one)")
+    ap.add_argument("--port", type=int, default=0, help="broker port (default: a free one)")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark setting, as iotlake.toml's [spark.conf] would give")
     args = ap.parse_args()
+    if args.smoke:
+        args.messages, args.max_offsets, args.warmup = 20_000, 5_000, 5_000
     conf = dict(kv.split("=", 1) for kv in args.spark_conf)
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))
     port = args.port or free_port()
     settings = bench_settings(root, port, "bench-telemetry", args.partitions, conf)
     warm = bench_settings(root, port, "bench-warmup", args.partitions, conf)
-    tansu = kafka_service(settings, port=port).start()
+    broker = kafka_service(settings, port=port).start()
     spark = None
     try:
         ensure_topics(settings)
@@ -243,7 +247,7 @@ def main() -> None:
     finally:
         if spark is not None:
             spark.stop()
-        tansu.stop()
+        broker.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

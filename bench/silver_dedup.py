@@ -4,10 +4,12 @@ At 5,000 events/s a 600 s watermark holds ~3M event ids. Spark's
 ``dropDuplicatesWithinWatermark`` reads all of them on every micro-batch to evict; the index
 (``stream.dedup = "index"``, silver/dedup.py) touches only the batch and what expires. Builds
 one bronze table whose event times are ``--step-ms`` apart (0.2 ms = 5,000 events/s of event
-time), then runs silver over it with ``available_now`` in batches of ``--batch-rows``, once per
-dedup mode in the same Spark session (state store first: the baseline). Prints per mode the
-median batch time over the first and the last ``--edge`` batches, CPU seconds of the process
-tree and the accounting; last line one JSON object with the ratio of the last batches' times.
+time), (one delta-rs commit of ``--batch-rows`` rows each) then runs silver over it with
+``available_now``, one bronze commit per batch (``stream.silver_max_files_per_trigger = 1``),
+once per dedup mode in the same Spark session (state store on RocksDB first: the baseline).
+Prints per mode rows/s over the whole run, the median batch time over the first and the last
+``--edge`` batches, CPU seconds of the process tree and the accounting; last line one JSON
+object with the ratios.
 
     .venv/bin/python bench/silver_dedup.py [--rows 1000000] [--batch-rows 20000]
 """
@@ -33,7 +35,8 @@ from lakehouse.spark import spark_session
 def run(spark, root: Path, mode: str, bronze: str, batch_rows: int, edge: int) -> dict:
     s = load_settings(environ={}, data_root=str(root / mode),
                       stream={"watermark_seconds": 600, "dedup": mode,
-                              "max_rows_per_trigger": batch_rows})
+                              "silver_max_files_per_trigger": 1,  # one bronze commit per batch
+                              "silver_max_bytes_per_trigger": 0})
     pid = spark._jvm.java.lang.ProcessHandle.current().pid()
     cpu0, t0 = tree_cpu(pid) + time.process_time(), time.monotonic()
     q = silver.stream.start(spark, s, trigger="available_now", bronze_path=bronze)
@@ -41,7 +44,8 @@ def run(spark, root: Path, mode: str, bronze: str, batch_rows: int, edge: int) -
     wall, cpu = time.monotonic() - t0, tree_cpu(pid) + time.process_time() - cpu0
     data = [p for p in q.recentProgress if p["numInputRows"] > 0]
     ms = [p["durationMs"]["triggerExecution"] for p in data]
-    return {"batches": len(data), "first_batches_ms": statistics.median(ms[1:1 + edge]),
+    rows = sum(p["numInputRows"] for p in data)
+    return {"batches": len(data), "rows_per_s": round(rows / wall), "first_batches_ms": statistics.median(ms[1:1 + edge]),
             "last_batches_ms": statistics.median(ms[-edge:]), "wall_s": round(wall, 1),
             "cpu_s": round(cpu, 1), "accounting": dict(counters(s))}
 
@@ -76,6 +80,8 @@ def main() -> None:
             "index_last_batches_ms": new["last_batches_ms"],
             "last_batches_speedup": round(base["last_batches_ms"] / new["last_batches_ms"], 2),
             "cpu_ratio": round(base["cpu_s"] / new["cpu_s"], 2),
+            "state_store_rows_per_s": base["rows_per_s"], "index_rows_per_s": new["rows_per_s"],
+            "state_store_cpu_s": base["cpu_s"], "index_cpu_s": new["cpu_s"],
             "load_avg_1m": os.getloadavg()[0]}))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,14 +1,14 @@
 """Benchmark: silver throughput with the expectation suite and without it (``validate=False``).
 
 Builds a bronze table of N rows (~150-byte payloads, 1% duplicates, 1% invalid) in C commits of
-4 files each (one per Kafka partition, as the bronze sink writes them), then runs silver over it
+one file each (written with delta-rs), then runs silver over it
 twice in one Spark session (fresh checkpoints, trigger available_now), after both variants warmed
 the JVM up on a small separate bronze table (so neither profits from running second). Steady
 state: the sum of numInputRows over the sum of durationMs.triggerExecution of every batch after
 the first (the first pays state store creation). Each run's quality-log counters are checked
 against the generated data to the row. Last line: one JSON object.
 
-    .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--max-rows 200000]
+    .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--files-per-batch 2]
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
+from deltalake import write_deltalake
 
 import silver.stream
-from lakehouse.delta_io import commit_files, ensure_table, read_table, write_parquet_file
+from lakehouse.delta_read import read_table
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from lakehouse.tables import BRONZE
@@ -70,21 +71,17 @@ def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: flo
         else:
             payloads.append(_payload(i, rng, step_ms=step_ms))
             valid.append(i)
-    ensure_table(path, BRONZE)
     per_commit = -(-rows // commits)
     now = datetime.now(UTC)
     for c in range(commits):
-        files = []
-        for p in range(PARTITIONS):
-            idx = range(c * per_commit + p, min(rows, (c + 1) * per_commit), PARTITIONS)
-            n = len(idx)
-            files.append(write_parquet_file(path, pa.table({
-                "key": pa.nulls(n, pa.binary()), "value": [payloads[i] for i in idx],
-                "topic": ["telemetry"] * n, "partition": pa.array([p] * n, pa.int32()),
-                "offset": pa.array([i // PARTITIONS for i in idx], pa.int64()),
-                "timestamp": [now] * n, "headers": [[]] * n, "ingest_time": [now] * n,
-            }, schema=BRONZE)))
-        commit_files(path, files, "bench", c)
+        idx = range(c * per_commit, min(rows, (c + 1) * per_commit))
+        n = len(idx)
+        write_deltalake(path, pa.table({
+            "key": pa.nulls(n, pa.binary()), "value": [payloads[i] for i in idx],
+            "topic": ["telemetry"] * n, "partition": pa.array([i % PARTITIONS for i in idx], pa.int32()),
+            "offset": pa.array([i // PARTITIONS for i in idx], pa.int64()),
+            "timestamp": [now] * n, "headers": [[]] * n, "ingest_time": [now] * n,
+        }, schema=BRONZE), mode="append")
     n = Counter(kinds)
     return Counter(rows_in=rows, silver=n["ok"], quarantine=n["bad"], duplicates=n["dup"], late=0)
 
@@ -118,12 +115,12 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def run_silver(spark, settings: Settings, bronze: str, max_rows: int, validate: bool) -> dict:
+def run_silver(spark, settings: Settings, bronze: str, validate: bool) -> dict:
     pid = spark._jvm.java.lang.ProcessHandle.current().pid()
     cpu0 = tree_cpu(pid) + time.process_time()
     t0 = time.monotonic()
-    q = silver.stream.start(spark, settings, trigger="available_now", max_rows=max_rows,
-                            validate=validate, bronze_path=bronze)
+    q = silver.stream.start(spark, settings, trigger="available_now", validate=validate,
+                            bronze_path=bronze)
     q.awaitTermination()
     wall = time.monotonic() - t0
     cpu = tree_cpu(pid) + time.process_time() - cpu0
@@ -145,21 +142,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--commits", type=int, default=10)
-    ap.add_argument("--max-rows", type=int, default=200_000, help="max_rows_per_trigger")
+    ap.add_argument("--files-per-batch", type=int, default=2,
+                    help="stream.silver_max_files_per_trigger (one bronze commit = one file here)")
     ap.add_argument("--shuffle-partitions", type=int, default=2)
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark conf (repeatable), e.g. to try a state store setting")
-    ap.add_argument("--always-reread", action="store_true",
-                    help="ignore Spark's dedup metrics: re-read bronze whenever rows were dropped")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     args = ap.parse_args()
-    if args.always_reread:
-        silver.stream.dropped_by_spark = lambda *a: None
+    if args.smoke:
+        args.rows, args.commits = 20_000, 4
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-silver-bench-"))
     try:
         def settings(name: str) -> Settings:
-            return load_settings(environ={}, data_root=str(root / name), stream={"watermark_seconds": 600},
+            return load_settings(environ={}, data_root=str(root / name), stream={"watermark_seconds": 600, "silver_max_files_per_trigger": args.files_per_batch,
+                                                 "silver_max_bytes_per_trigger": 0},
                                  spark={"master": args.master, "shuffle_partitions": args.shuffle_partitions,
                                         "conf": dict(c.split("=", 1) for c in args.conf)})
 
@@ -168,14 +166,14 @@ def main() -> None:
         expected = build_bronze(bronze, args.rows, args.commits)
         built = time.monotonic() - t0
         warm = settings("warm_bronze").table_path("bronze")
-        build_bronze(warm, min(args.rows, 2 * args.max_rows), 2, seed=1)
+        build_bronze(warm, min(args.rows, 2 * args.rows // args.commits), 2, seed=1)
         spark = spark_session(settings("spark"), app_name="iotlake-silver-bench")
         for validate in (True, False):
-            run_silver(spark, settings(f"warm_{validate}"), warm, args.max_rows, validate)
+            run_silver(spark, settings(f"warm_{validate}"), warm, validate)
         runs = {}
         for name, validate in (("with_validation", True), ("without", False)):
             s = settings(name)
-            runs[name] = run_silver(spark, s, bronze, args.max_rows, validate)
+            runs[name] = run_silver(spark, s, bronze, validate)
             got = counters(s)
             if validate:
                 assert got == expected, f"{name}: accounting {dict(got)} != expected {dict(expected)}"
@@ -184,9 +182,9 @@ def main() -> None:
             print(name, json.dumps(runs[name]), flush=True)
         spark.stop()
         with_v, without = runs["with_validation"]["rows_per_s"], runs["without"]["rows_per_s"]
-        print(json.dumps({"bronze_build_s": round(built, 1), "max_rows_per_trigger": args.max_rows,
+        print(json.dumps({"bronze_build_s": round(built, 1), "files_per_batch": args.files_per_batch,
                           "shuffle_partitions": args.shuffle_partitions, "conf": args.conf,
-                          "always_reread": args.always_reread, "load_avg_1m": os.getloadavg()[0]}))
+                          "load_avg_1m": os.getloadavg()[0]}))
         print(json.dumps({"rows": args.rows, "rows_per_s_with_validation": round(with_v),
                           "rows_per_s_without": round(without),
                           "overhead_ratio": round(without / with_v, 3)}))
