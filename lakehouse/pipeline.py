@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_source import latest_version
+from lakehouse.delta_read import latest_version
 from lakehouse.settings import Settings
 from lakehouse.streams import release_checkpoints
 
@@ -49,14 +49,27 @@ def start_layers(spark: SparkSession, settings: Settings, layers: tuple[str, ...
             for layer in layers for name, fn in starters[layer]}
 
 
-def _end_version(q: StreamingQuery) -> int | None:
+#: Delta source offset index past a version's last file (``DeltaSourceOffset.END_INDEX``).
+_END_INDEX = 2**63 - 1 - 100
+
+
+def consumed_version(q: StreamingQuery) -> int | None:
+    """The last upstream version a Delta-sourced query has read entirely, from its last
+    progress (None before its first batch).
+
+    Delta's source offset is (``reservoirVersion``, ``index``): ``index`` -1 means no file of
+    that version read yet (a version fully read shows as the next version at -1), the
+    END_INDEX sentinel that version read to its end, any other index a file within it."""
     p = q.lastProgress
     if not p or not p.get("sources"):
         return None
     end = p["sources"][0].get("endOffset")
     if isinstance(end, str):
         end = json.loads(end)
-    return end.get("version") if isinstance(end, dict) else None
+    if not isinstance(end, dict) or "reservoirVersion" not in end:
+        return None
+    v, i = int(end["reservoirVersion"]), int(end.get("index", -1))
+    return v if i == _END_INDEX else v - 1
 
 
 def check_alive(queries: dict[str, StreamingQuery]) -> None:
@@ -68,7 +81,7 @@ def check_alive(queries: dict[str, StreamingQuery]) -> None:
 
 def delta_caught_up(q: StreamingQuery, upstream_path: str) -> bool:
     """A Delta-sourced query has read its upstream's latest version and is idle."""
-    v = _end_version(q)
+    v = consumed_version(q)
     return v is not None and v >= latest_version(upstream_path) and not q.status["isDataAvailable"] \
         and not q.status["isTriggerActive"]
 

@@ -1,17 +1,19 @@
 """Silver: parsed, typed, deduplicated under an event-time watermark, validated.
 
-bronze (Delta stream) -> parse -> validate (suite compiled to one Spark expression) ->
-event-time watermark -> foreachBatch: drop late rows and duplicates (``silver.dedup``, the
+bronze (Delta's streaming source) -> parse -> validate (suite compiled to one Spark expression)
+-> event-time watermark -> foreachBatch: drop late rows and duplicates (``silver.dedup``, the
 driver's index; or with ``stream.dedup = "state_store"`` Spark's dropDuplicatesWithinWatermark
 in the plan), valid rows to ``silver``, failing rows to ``quarantine`` with every reason, and
-per-batch counts to ``quality_log``. Every bronze row is accounted for:
+per-batch counts to ``quality_log``, each written with Delta's idempotent append (query id,
+batch id). Every bronze row is accounted for:
 
     bronze rows in batch = silver + quarantine + duplicates dropped + late
 
 A row is late when its event time is <= the watermark of the *previous* batch (the watermark a
-batch computes only applies to the next one), as Spark's own operators judge it. Only when a
-batch has late rows are its bronze files re-read to recover them (the plan drops valid rows' raw
-payload early), and they are quarantined with reason ``late``.
+batch computes only applies to the next one), as Spark's own operators judge it. With the index
+nothing is dropped before foreachBatch: the batch's rows are its input, and late rows keep their
+raw payload there (where the previous watermark is known) to be quarantined with reason
+``late``.
 """
 
 from __future__ import annotations
@@ -23,17 +25,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse import storage
-from lakehouse.delta_io import append_arrow, ensure_table
-from lakehouse.delta_source import commit_adds
+from lakehouse import delta_tables
+from lakehouse.delta_read import open_table
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
-from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, SILVER
 from silver.dedup import DedupIndex
 from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
@@ -65,66 +65,63 @@ def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
     )
 
 
+def bronze_stream(spark: SparkSession, settings: Settings, bronze_path: str | None = None,
+                  bronze_ending_version: int | None = None) -> DataFrame:
+    """Bronze as Delta's streaming source reads it. Bronze is append-only (compaction commits are
+    dataChange=false, which the source skips), so no skipChangeCommits. A batch reads at most
+    ``stream.silver_max_files_per_trigger`` files / ``silver_max_bytes_per_trigger`` bytes.
+
+    ``bronze_ending_version`` (time-travel reprocessing) keeps the rows bronze held at that
+    version: a bronze batch stamps ``ingest_time`` when it starts, after the previous version
+    committed, so they are the rows ingested no later than that version's commit timestamp."""
+    st = settings.stream
+    path = bronze_path or settings.table_path("bronze")
+    reader = (spark.readStream.format("delta")
+              .option("maxFilesPerTrigger", str(st.silver_max_files_per_trigger)))
+    if st.silver_max_bytes_per_trigger:
+        reader = reader.option("maxBytesPerTrigger", str(st.silver_max_bytes_per_trigger))
+    bronze = reader.load(path)
+    if bronze_ending_version is not None:
+        ts = commit_time_us(path, bronze_ending_version)
+        bronze = bronze.where(F.col("ingest_time") <= F.timestamp_micros(F.lit(ts)))
+    return bronze
+
+
+def commit_time_us(path: str, version: int) -> int:
+    """Commit timestamp (epoch µs) of ``version`` of the table at ``path``."""
+    hist = [h for h in open_table(path).history() if h.get("version") == version]
+    if not hist:
+        raise ValueError(f"{path} has no version {version} in its history")
+    return int(hist[0]["timestamp"]) * 1000
+
+
 def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = None,
-                 max_rows: int | None = None, bronze_path: str | None = None,
+                 bronze_path: str | None = None,
                  bronze_ending_version: int | None = None) -> DataFrame:
     """The stream with its watermark, deduplicated here with ``stream.dedup = "state_store"``
-    (else it keeps ``dedup_key`` / ``dedup_time`` for the writer's index); the raw payload
-    travels on only for rows bound to quarantine. ``bronze_ending_version`` stops reading bronze
-    at that version (time-travel reprocessing)."""
-    reader = (
-        spark.readStream.format("iotlake_delta_stream")
-        .option("path", bronze_path or settings.table_path("bronze"))
-        .option("max_rows_per_trigger", str(max_rows or settings.stream.max_rows_per_trigger))
-        .option("task_rows", str(settings.stream.task_rows))
-    )
-    if bronze_ending_version is not None:
-        reader = reader.option("ending_version", str(bronze_ending_version))
-    bronze = reader.load()
+    (else it keeps ``dedup_key`` / ``dedup_time`` for the writer's index, and every row's raw
+    payload until the writer knows which rows are late)."""
+    bronze = bronze_stream(spark, settings, bronze_path, bronze_ending_version)
     wm = f"{settings.stream.watermark_seconds} seconds"
-    framed = (
-        validated(bronze, suite)
-        .withColumn("value", F.when(F.col("reasons") != "", F.col("value")))
-        .withWatermark("dedup_time", wm)
-    )
+    framed = validated(bronze, suite)
     if settings.stream.dedup == "state_store":
-        return framed.dropDuplicatesWithinWatermark(["dedup_key"]).drop("dedup_key", "dedup_time")
-    return framed
+        return (framed.withColumn("value", F.when(F.col("reasons") != "", F.col("value")))
+                .withWatermark("dedup_time", wm)
+                .dropDuplicatesWithinWatermark(["dedup_key"]).drop("dedup_key", "dedup_time"))
+    return framed.withWatermark("dedup_time", wm)
 
 
-# ---- per-batch bookkeeping from the checkpoint's offsets log ------------------------------
-
-def _offset_entry(checkpoint: str, batch_id: int) -> tuple[dict, dict] | None:
-    f = Path(checkpoint, "offsets", str(batch_id))
-    if not f.exists():
-        return None
-    lines = f.read_text().splitlines()
-    return json.loads(lines[1]), json.loads(lines[2])
-
-
-def batch_input(checkpoint: str, batch_id: int, bronze_path: str) -> tuple[list[int], int, int]:
-    """(bronze versions read, rows read, watermark ms Spark filtered late rows with).
-
-    The late-row watermark is the previous batch's (0 for the first batch): Spark applies the
-    watermark a batch computes only from the next batch on.
-    """
-    cur = _offset_entry(checkpoint, batch_id)
-    if cur is None:
-        raise RuntimeError(f"offsets log for batch {batch_id} missing in {checkpoint}")
-    prev = _offset_entry(checkpoint, batch_id - 1) if batch_id > 0 else None
-    if batch_id > 0 and prev is None:
-        raise RuntimeError(f"offsets log for batch {batch_id - 1} missing in {checkpoint}")
-    start = prev[1]["version"] if prev else -1
-    versions = list(range(start + 1, cur[1]["version"] + 1))
-    rows = sum(n for v in versions for _, n in commit_adds(bronze_path, v))
-    return versions, rows, int(prev[0].get("batchWatermarkMs", 0)) if prev else 0
+def late_watermark_ms(checkpoint: str, batch_id: int) -> int:
+    """The watermark (epoch ms) batch ``batch_id`` judges late rows by: the one in the previous
+    batch's offsets log entry (0 for the first batch), as Spark's stateful operators do."""
+    return batch_watermark_ms(checkpoint, batch_id - 1) if batch_id > 0 else 0
 
 
 def dropped_by_spark(spark: SparkSession, query: str, batch_id: int) -> tuple[int, int] | None:
     """(late, duplicate) rows the dedup operator dropped in the running batch, from its metrics.
 
     Read from the query's current execution after the batch ran (classic PySpark, JVM
-    internals): None when unavailable, and the caller then re-reads bronze to find out.
+    internals): None when unavailable.
     """
     try:
         execution = spark.streams.get(query)._jsq.streamingQuery().lastExecution()
@@ -143,7 +140,7 @@ def dropped_by_spark(spark: SparkSession, query: str, batch_id: int) -> tuple[in
             while children.hasNext():
                 nodes.append(children.next())
         return (late, dup) if found == 1 else None
-    except Exception as e:  # noqa: BLE001 - internals moved: fall back to the exact re-read
+    except Exception as e:  # noqa: BLE001 - internals moved
         log.debug("dedup metrics unavailable: %s", e)
         return None
 
@@ -167,101 +164,80 @@ class SilverBatchWriter:
     """foreachBatch function: route, write exactly once, log quality counts."""
 
     def __init__(self, spark: SparkSession, settings: Settings, checkpoint: str, app_id: str,
-                 suite: Suite | None = None, bronze_path: str | None = None,
-                 paths: dict[str, str] | None = None) -> None:
+                 suite: Suite | None = None, paths: dict[str, str] | None = None) -> None:
         self.spark, self.settings, self.checkpoint, self.app_id = spark, settings, checkpoint, app_id
         self.suite = suite
-        self.bronze_path = bronze_path or settings.table_path("bronze")
         self.paths = paths or {t: settings.table_path(t) for t in (TABLE, QUARANTINE_TABLE, QUALITY_TABLE)}
         self.last_counts: dict[str, int] = {}
         self.index = (DedupIndex(checkpoint, settings.stream.watermark_seconds * 1000)
                       if settings.stream.dedup == "index" else None)
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        versions, rows_in, late_wm = batch_input(self.checkpoint, batch_id, self.bronze_path)
-        out = df.toArrow()  # always run the batch: Spark checks every state store committed
-        if rows_in == 0:  # no-data batch (watermark advance only): nothing to write
-            self.last_counts = {}
-            return
+        late_wm = late_watermark_ms(self.checkpoint, batch_id)
         now = datetime.now(UTC)
         added = None
         if self.index is not None:
-            out, late_n, added = self._dedup(batch_id, out, late_wm)
-            late = self._late_rows(versions, late_wm) if late_n else QUARANTINE.empty_table()
-            if late.num_rows != late_n:
-                raise RuntimeError(f"silver batch {batch_id}: {late_n} rows late in the stream, "
-                                   f"bronze re-read found {late.num_rows}")
+            # one pass to the driver; the raw payload rides along only for rows bound to quarantine
+            late_cond = F.col("dedup_time").isNotNull() & (
+                F.col("dedup_time") <= F.timestamp_micros(F.lit(late_wm * 1000)))
+            out = df.withColumn("value", F.when((F.col("reasons") != "") | late_cond,
+                                                F.col("value"))).toArrow()
+            rows_in = out.num_rows
+            if rows_in == 0:
+                self.last_counts = {}
+                return
+            out, late_rows, added = self._dedup(batch_id, out, late_wm)
+            late = self._quarantine(late_rows, now, reason="late")
             self.index.log(batch_id, added)  # durable before anything of the batch commits
+            duplicates = rows_in - out.num_rows - late.num_rows
         else:
-            late = self._late(batch_id, versions, late_wm, rows_in - out.num_rows)
-        duplicates = rows_in - out.num_rows - late.num_rows
-        if duplicates < 0:
-            raise RuntimeError(f"silver batch {batch_id}: accounting broke ({rows_in} in, "
-                               f"{out.num_rows} out, {late.num_rows} late)")
+            out = df.toArrow()  # always run the batch: Spark checks every state store committed
+            dropped = dropped_by_spark(self.spark, self.app_id, batch_id)
+            if dropped is None:
+                raise RuntimeError(f"silver batch {batch_id}: the dedup operator's metrics are "
+                                   "unavailable; the batch cannot be accounted for")
+            late_n, duplicates = dropped
+            if late_n:
+                raise RuntimeError(f"silver batch {batch_id}: {late_n} late rows dropped by the "
+                                   "state store cannot be quarantined")
+            late = QUARANTINE.empty_table()
+            rows_in = out.num_rows + late_n + duplicates
+            if rows_in == 0:  # no-data batch (watermark advance only): nothing to write
+                self.last_counts = {}
+                return
         reasons = out.column("reasons")
         bad = pc.not_equal(reasons, "")
         silver = out.filter(pc.invert(bad)).select(SILVER.names).cast(SILVER)
         quarantine = self._quarantine(out.filter(bad), now)
         if late.num_rows:
             quarantine = pa.concat_tables([quarantine, late])
-        for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine)):
-            if data.num_rows:
-                append_arrow(self.paths[name], data, self.app_id, batch_id)
         self.last_counts = {"rows_in": rows_in, "silver": silver.num_rows,
                             "quarantine": quarantine.num_rows - late.num_rows,
                             "duplicates": duplicates, "late": late.num_rows}
-        append_arrow(self.paths[QUALITY_TABLE], self._quality(batch_id, now, out, reasons),
-                     self.app_id, batch_id)
+        spark = df.sparkSession
+        for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine),
+                           (QUALITY_TABLE, self._quality(batch_id, now, out, reasons))):
+            if data.num_rows:
+                delta_tables.append(spark.createDataFrame(data), self.paths[name], self.app_id, batch_id)
         if added is not None:
             self.index.commit(batch_id, added)
             note_batch(self.app_id, batch_id, state_rows=len(self.index),
                        rows_dropped_by_watermark=late.num_rows, duplicates_dropped=duplicates)
 
-    def _dedup(self, batch_id: int, out: pa.Table, late_wm: int) -> tuple[pa.Table, int, pa.Table]:
-        """(on-time first occurrences, late rows' count, keys the batch adds to the index)."""
+    def _dedup(self, batch_id: int, out: pa.Table, late_wm: int) -> tuple[pa.Table, pa.Table, pa.Table]:
+        """(on-time first occurrences, late rows, keys the batch adds to the index)."""
         t_us = pc.cast(out.column("dedup_time"), pa.int64())
         on_time = pc.or_kleene(pc.is_null(t_us), pc.greater(t_us, late_wm * 1000))
         kept = out.filter(on_time)
-        late_n = out.num_rows - kept.num_rows
+        late = out.filter(pc.invert(on_time))
         t_ms = pc.divide(pc.cast(kept.column("dedup_time"), pa.int64()), 1000)
         first, added = self.index.first_seen(batch_id, kept.column("dedup_key"), t_ms, late_wm)
-        return kept.filter(first), late_n, added
+        return kept.filter(first), late, added
 
-    def _late(self, batch_id: int, versions: list[int], late_wm: int, dropped: int) -> pa.Table:
-        """The rows Spark dropped as late, recovered from bronze only when there are any."""
-        if dropped == 0:
-            return QUARANTINE.empty_table()
-        spark_says = dropped_by_spark(self.spark, self.app_id, batch_id)
-        if spark_says is not None and sum(spark_says) != dropped:  # e.g. a retried task
-            log.warning("silver batch %s: dedup metrics %s do not add up to %s dropped rows; "
-                        "re-reading bronze", batch_id, spark_says, dropped)
-            spark_says = None
-        if spark_says is not None and spark_says[0] == 0:
-            return QUARANTINE.empty_table()
-        late = self._late_rows(versions, late_wm)
-        if spark_says is not None and late.num_rows != spark_says[0]:
-            raise RuntimeError(f"silver batch {batch_id}: Spark dropped {spark_says[0]} rows as "
-                               f"late, bronze re-read found {late.num_rows}")
-        return late
-
-    def _late_rows(self, versions: list[int], watermark_ms: int) -> pa.Table:
-        """Re-read this batch's bronze files; keyed rows at or below the watermark were dropped."""
-        files = [storage.join(self.bronze_path, p) for v in versions for p, _ in commit_adds(self.bronze_path, v)]
-        if not files:
-            return QUARANTINE.empty_table()
-        # Read on the driver with pyarrow (local or s3://: Spark has no S3 file system here)
-        opts = storage.options_for(self.bronze_path) or None
-        rows = pa.concat_tables([pq.read_table(key, filesystem=fs) for fs, key in
-                                 (storage.filesystem(f, opts) for f in files)])
-        wm = F.timestamp_micros(F.lit(watermark_ms * 1000))
-        late = (validated(self.spark.createDataFrame(rows))
-                .where(F.col("dedup_time").isNotNull() & (F.col("dedup_time") <= wm))
-                .withColumn("reasons", F.lit("late")))
-        return self._quarantine(late.toArrow(), datetime.now(UTC))
-
-    def _quarantine(self, rows: pa.Table, now: datetime) -> pa.Table:
+    def _quarantine(self, rows: pa.Table, now: datetime, reason: str | None = None) -> pa.Table:
         cols = {n: rows.column(n) for n in QUARANTINE.names if n in rows.column_names}
-        cols["reason"] = rows.column("reasons")
+        cols["reason"] = (pa.array([reason] * rows.num_rows, pa.string()) if reason
+                          else rows.column("reasons"))
         cols["quarantined_at"] = pa.array([now] * rows.num_rows, pa.timestamp("us", tz="UTC"))
         return pa.table({n: cols[n] for n in QUARANTINE.names}).cast(QUARANTINE)
 
@@ -299,19 +275,19 @@ def pin_dedup_mode(checkpoint: str, mode: str) -> None:
         pin_dedup_mode(checkpoint, mode)
 
 
-def start(spark: SparkSession, settings: Settings, trigger: str = "live", max_rows: int | None = None,
+def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           suite_path: Path | None = None, validate: bool = True,
           bronze_path: str | None = None, bronze_ending_version: int | None = None) -> StreamingQuery:
     """Start the silver stream; ``validate=False`` skips the suite (parse and dedup only)."""
     suite = load_suite(suite_path) if validate else None  # a bad suite fails before the stream
     ckpt = settings.checkpoint_path(TABLE)
     for name, schema in ((TABLE, SILVER), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
-        ensure_table(settings.table_path(name), schema)
+        delta_tables.ensure_table(spark, settings.table_path(name), schema)
     app_id = query_id(ckpt)
     pin_dedup_mode(ckpt, settings.stream.dedup)
-    writer = SilverBatchWriter(spark, settings, ckpt, app_id, suite, bronze_path)
+    writer = SilverBatchWriter(spark, settings, ckpt, app_id, suite)
     stream = (
-        silver_frame(spark, settings, suite, max_rows, bronze_path, bronze_ending_version).writeStream
+        silver_frame(spark, settings, suite, bronze_path, bronze_ending_version).writeStream
         .queryName(TABLE)
         .foreachBatch(writer)
         .option("checkpointLocation", ckpt)

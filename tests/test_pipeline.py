@@ -190,27 +190,6 @@ def test_restart_streams_graceful_and_hard_kill(settings: Settings, spark) -> No
     assert_gold_matches(settings, msgs)
 
 
-@pytest.mark.parametrize("replays", [1, 3])
-def test_delta_sink_replayed_batch_is_not_committed_twice(tmp_path: Path, replays: int) -> None:
-    import pyarrow as pa
-
-    from lakehouse.delta_io import commit_files, ensure_table, write_parquet_file
-
-    path = str(tmp_path / "t")
-    schema = pa.schema([("x", pa.int64())])
-    ensure_table(path, schema)
-    data = pa.table({"x": list(range(10))})
-    assert commit_files(path, [write_parquet_file(path, data)], "q1", 0) is True
-    for _ in range(replays):
-        assert commit_files(path, [write_parquet_file(path, data)], "q1", 0) is False
-    assert commit_files(path, [write_parquet_file(path, data)], "q1", 1) is True
-    dt = DeltaTable(path)
-    assert dt.to_pyarrow_table().num_rows == 20
-    assert dt.transaction_version("q1") == 1
-    # the skipped replays left no stray data files behind
-    assert len(list(Path(path).glob("*.parquet"))) == 2
-
-
 def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
     """5-minute-every-minute windows rolled up from the 1-minute ones equal a direct computation."""
     import pyarrow as pa
