@@ -171,8 +171,9 @@ class StreamSettings(_Section):
     silver_max_bytes_per_trigger: int = Field(64 << 20, ge=0)
     watermark_seconds: int = Field(600, ge=0)
     # Silver's dedup within the watermark: "index" (driver-side, cost per batch grows with the
-    # batch only: silver/dedup.py) or "state_store" (Spark's dropDuplicatesWithinWatermark,
-    # state spread over executors, but each batch scans all of it to evict).
+    # batch only: silver/dedup.py; faster and less CPU in bench/silver_dedup.py) or
+    # "state_store" (Spark's dropDuplicatesWithinWatermark on RocksDB, for the bench: late rows
+    # vanish inside its operator, so a batch holding any fails the stream).
     dedup: Literal["index", "state_store"] = "index"
     window_seconds: int = Field(60, ge=1)
 
