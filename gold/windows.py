@@ -11,7 +11,8 @@ state store for identical aggregates). A window is final once its end is <= the 
 watermark (``offsets/<batch>`` in the checkpoint, the watermark Spark evicts state with):
 Spark drops rows at or below the previous batch's watermark, so after this batch's MERGE no
 row can reach such a window again. Batch k appends, read back from the merged tables, the
-windows ending in (watermark of batch k-1, watermark of batch k]: watermarks only grow, so
+windows ending in (watermark of batch k-1, watermark of batch k] (until a new checkpoint's
+watermark leaves zero, the lower bound is the final table's latest window_end): watermarks only grow, so
 every window lands exactly once, with the merged values. A replayed batch reuses its offsets
 file, so the same range, and its append is skipped by the Delta app transaction (query id,
 batch id). Final rows lag the merged ones by the watermark; no-data batches, which Spark runs
@@ -24,7 +25,6 @@ bounds, so Delta skips the files whose statistics lie outside them.
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_tables import append, ensure_table, upsert
 from lakehouse.settings import Settings
-from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
 
 TABLE = "gold_metrics_1m"
@@ -144,7 +144,8 @@ class MergeBatch:
             return
         before = final_upto_s(self.checkpoint, batch_id - 1, self.base)
         for merged, final in self.finals.items():
-            done = before if before is not None else last_window_end_s(spark, final)
+            # the previous batch's bound; none yet (a new checkpoint): what the table holds
+            done = before or last_window_end_s(spark, final)
             if done is not None and upto <= done:
                 continue
             rows = (spark.read.format("delta").load(merged)
@@ -152,26 +153,18 @@ class MergeBatch:
             append(rows, final, self.app_id, batch_id)
 
 
-def batch_watermark_ms(checkpoint: str, batch_id: int) -> int | None:
-    """Event-time watermark (epoch ms) micro-batch ``batch_id`` evicts state with, from the
-    offsets log (None: no such batch there). Spark writes ``offsets/<batch>`` before running
-    the batch and a replay reuses it, so every run of a batch sees the same watermark."""
-    f = Path(checkpoint, "offsets", str(batch_id))
-    if batch_id < 0 or not f.exists():
-        return None
-    return int(json.loads(f.read_text().splitlines()[1]).get("batchWatermarkMs", 0))
-
-
 def final_upto_s(checkpoint: str, batch_id: int, base: int) -> int | None:
-    """Windows ending at or before this (epoch s) are final in ``batch_id`` (window ends lie on
-    the base window's grid: sliding sizes and slides are multiples of it). None: batch unknown."""
-    wm = batch_watermark_ms(checkpoint, batch_id)
-    return None if wm is None else wm // (base * 1000) * base
+    """Windows ending at or before this (epoch s) are final in ``batch_id``: its watermark on the
+    base window's grid (window ends lie on it: sliding sizes and slides are multiples of it).
+    None: the checkpoint's offsets log has no such batch."""
+    if batch_id < 0 or not Path(checkpoint, "offsets", str(batch_id)).exists():
+        return None
+    return batch_watermark_ms(checkpoint, batch_id) // (base * 1000) * base
 
 
 def last_window_end_s(spark: SparkSession, path: str) -> int | None:
-    """Latest window_end in a table (a full read of one column: only for a batch whose
-    predecessor's offsets the checkpoint no longer has, e.g. a new checkpoint on old tables)."""
+    """Latest window_end in a table (a read of one column: only until a checkpoint's watermark
+    first leaves zero, e.g. a new checkpoint on tables an earlier one wrote)."""
     return (spark.read.format("delta").load(path)
             .agg(F.max(F.unix_seconds("window_end"))).first()[0])
 

@@ -210,6 +210,11 @@ class GoldSettings(_Section):
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
     slide_window_seconds: int = Field(300, ge=60)
     slide_every_seconds: int = Field(60, ge=60)
+    # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the
+    # first reached wins; at least one file): bounds a catch-up batch, whose rows the health
+    # stream holds in memory per state bucket. 0 bytes: files only.
+    max_files_per_trigger: int = Field(100, ge=1)
+    max_bytes_per_trigger: int = Field(64 << 20, ge=0)
 
 
 class StorageSettings(_Section):
