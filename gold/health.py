@@ -20,9 +20,10 @@ device and exact: a bucket's timeout is its devices' earliest deadline, and ever
 times out its devices without data whose deadline is below the watermark (Spark's rule).
 Changing ``STATE_BUCKETS`` or ``DEVICE_STATE`` needs a new checkpoint.
 
-Outputs, written exactly once per micro-batch: ``readings_scored`` (every scored reading),
-``anomalies`` (flagged ones), ``device_status_history`` (every change) and ``device_current``
-(MERGE by device).
+Input: silver through Delta's streaming source. Outputs, written by delta-spark exactly once per
+micro-batch (Delta app transaction: query id, batch id): ``readings_scored`` (every scored
+reading), ``anomalies`` (flagged ones), ``device_status_history`` (every change) and
+``device_current`` (MERGE by device).
 """
 
 from __future__ import annotations
