@@ -44,8 +44,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.python.worker.reuse", "true")
         # Python workers start slowly on a loaded 2-core machine; don't fail the stream for it
         .config("spark.python.authenticate.socketTimeout", "120s")
-        # exactly Int.MaxValue: otherwise Spark re-measures the Arrow batch after every row sent
-        # to a Python sink (36% of bronze's JVM CPU); maxRecordsPerBatch still caps batches
+        # exactly Int.MaxValue: otherwise Spark re-measures the Arrow batch after every row it
+        # sends to a Python worker (gold's state function); maxRecordsPerBatch still caps batches
         .config("spark.sql.execution.arrow.maxBytesPerBatch", "2147483647")
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -75,7 +75,6 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     _quiet_loggers(spark)
     if not is_local(settings.spark.master):
         ship_packages(spark)
-    register_sources(spark)
     return spark
 
 
@@ -132,12 +131,3 @@ def _with_local_fs_shim(conf: dict[str, str]) -> dict[str, str]:
     cp = conf.get("spark.driver.extraClassPath")
     return {**HADOOP_CONF, **conf,
             "spark.driver.extraClassPath": f"{cp}{os.pathsep}{jar}" if cp else str(jar)}
-
-
-def register_sources(spark: SparkSession) -> None:
-    from lakehouse.delta_sink import DeltaSinkDataSource
-    from lakehouse.delta_source import DeltaBatchDataSource, DeltaSourceDataSource
-    from lakehouse.kafka_source import KafkaDataSource
-
-    for ds in (KafkaDataSource, DeltaSinkDataSource, DeltaSourceDataSource, DeltaBatchDataSource):
-        spark.dataSource.register(ds)
