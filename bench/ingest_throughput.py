@@ -83,7 +83,7 @@ def produce(settings: Settings, n: int, devices: int = 1000, headers: bool = Fal
 
 
 def tree_cpu(root: int) -> float:
-    """CPU seconds of ``root`` and its descendants (JVM, Python workers, Tansu), reaped ones too."""
+    """CPU seconds of ``root`` and its descendants (JVM, Python workers, the Kafka broker), reaped ones too."""
     procs: dict[int, tuple[int, int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():

@@ -1,6 +1,6 @@
 """Benchmark: Kafka -> bronze -> silver throughput as parallelism grows.
 
-The same N telemetry messages go into topics of 1, 2 and 4 partitions on an embedded Tansu.
+The same N telemetry messages go into topics of 1, 2 and 4 partitions on the embedded Apache Kafka broker.
 Each Spark configuration drains them with bronze then silver (``availableNow``, the live
 streams' code and checkpoints), after a small warm-up topic that pays Python-worker start-up:
 
@@ -29,7 +29,8 @@ from pathlib import Path
 from confluent_kafka import Producer
 from deltalake import DeltaTable
 
-from lakehouse.cluster import StandaloneCluster, cluster_conf, free_port
+from lakehouse.chaos import free_port
+from lakehouse.cluster import StandaloneCluster, cluster_conf
 from lakehouse.kafka_config import client_config
 from lakehouse.services import ensure_topics, kafka_service
 from lakehouse.settings import Settings, load_settings
@@ -109,16 +110,17 @@ def main() -> None:
         return
 
     work = Path(tempfile.mkdtemp(prefix="iotlake-bench-scaling-"))
-    port = free_port()
+    port = free_port(pair=True)  # the broker's controller listens on port + 1
     base = load_settings(environ={}, data_root=str(work / "lake"), kafka={"embedded_port": port},
                          observability={"metrics_port": 0})
-    tansu = kafka_service(base, port).start()
+    broker = kafka_service(base, port).start()
     try:
         s = base.model_copy(deep=True)
         s.kafka.bootstrap = base.kafka_bootstrap
         s.spark.driver_memory = "1g"
         s.spark.shuffle_partitions = 4
-        s.stream.max_offsets_per_trigger = s.stream.max_rows_per_trigger = max(args.messages, 1)
+        s.stream.max_offsets_per_trigger = max(args.messages, 1)
+        s.stream.silver_max_files_per_trigger = 100_000  # one silver batch for the whole topic
         topics = {"warm": 4, **{f"p{n}": n for n in PARTITIONS}}
         for topic, n in topics.items():
             t = s.model_copy(deep=True)
@@ -140,7 +142,7 @@ def main() -> None:
                 r = run_child(s, work, f"cluster{workers}w", ["warm", "p4"])
             results[f"cluster_{workers}w_p4"] = r["p4"]
     finally:
-        tansu.stop()
+        broker.stop()
 
     for name, r in results.items():
         assert r["rows"] == args.messages == r["silver_rows"], (name, r)

@@ -1,4 +1,4 @@
-"""End to end on real components: Mosquitto -> bridge -> Tansu -> bronze -> silver -> gold."""
+"""End to end on real components: Mosquitto -> bridge -> Kafka -> bronze -> silver -> gold."""
 
 from __future__ import annotations
 
