@@ -15,7 +15,7 @@ DEVICES ?= 50
 JARS   := .jars
 MVN    := mvn -q -B
 
-run: install            ## live pipeline on embedded Mosquitto + Tansu, simulated devices; Ctrl-C stops
+run: install            ## live pipeline on embedded Mosquitto + Apache Kafka, simulated devices; Ctrl-C stops
 	$(BIN)/iotlake run --simulate $(RATE) --devices $(DEVICES)
 
 demo: install           ## bounded run: publish events, wait for gold, print accounting JSON

@@ -98,7 +98,7 @@ class ChaosConfig:
     #: the embedded Kafka is durable: an outage (SIGTERM or kill -9, seeded-random, then a restart
     #: on the same log) loses nothing
     kafka_outages: int = 0
-    #: ``iotlake compact`` of every table (in this process, delta-rs) while the streams write,
+    #: ``iotlake compact`` of every table (in this process, delta-spark) while the streams write,
     #: placed in the second half of the plan so there are small files to rewrite
     compactions: int = 0
     start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
