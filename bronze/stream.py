@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse import delta_tables
+from lakehouse.services import ensure_topics
 from lakehouse.settings import Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import BRONZE
@@ -76,6 +77,9 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           max_offsets: int | None = None) -> StreamingQuery:
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
     delta_tables.ensure_table(spark, path, SCHEMA)  # readers see an empty table before data
+    # Started on its own (a bronze role, a backfill), bronze may come up before the bridge has
+    # created the topic; subscribing to a missing topic fails the query.
+    ensure_topics(settings)
     query_id(ckpt)  # lock the checkpoint: a second writer fails fast
     writer = (
         kafka_stream(spark, settings, max_offsets).writeStream.format("delta")

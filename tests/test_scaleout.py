@@ -169,4 +169,4 @@ def test_kafka_min_partitions_is_wired(settings: Settings, spark) -> None:
     s.stream.kafka_min_partitions = 7
     df = bronze.stream.kafka_stream(spark, s)
     plan = df._jdf.queryExecution().logical().toString()
-    assert "minPartitions -> 7" in plan or "minpartitions -> 7" in plan.lower(), plan[:2000]
+    assert "minPartitions=7" in plan, plan[:2000]
