@@ -24,6 +24,8 @@ from lakehouse.run import bridge_thread, check_bridge, demo
 from lakehouse.settings import Settings
 from lakehouse.tables import METRICS
 
+EXTENDED = bool(os.environ.get("IOTLAKE_EXTENDED_TESTS"))
+
 
 def rows(settings: Settings, table: str) -> pd.DataFrame:
     return DeltaTable(settings.table_path(table)).to_pandas()
@@ -147,7 +149,8 @@ def test_run_notices_a_dead_bridge(settings: Settings) -> None:
 
 
 def test_restart_streams_graceful_and_hard_kill(settings: Settings, spark) -> None:
-    """Stop/restart each stream in-process, then kill -9 a separate streams process mid-run."""
+    """Stop/restart each stream in-process (long version: then kill -9 a separate streams process
+    mid-run; the short suite kills role processes in test_scaleout_roles and test_chaos)."""
     msgs = generate(settings, 1200, devices=12, duplicates=30, malformed=10, seed=7)
     first, second, third = msgs[:400], msgs[400:800], msgs[800:]
     unique_valid = 1200 - 30 - 10
@@ -161,26 +164,15 @@ def test_restart_streams_graceful_and_hard_kill(settings: Settings, spark) -> No
             running.queries.update(start_layers(spark, settings, (layer,)))
         publish(settings, second)
         running.wait_caught_up(lambda: _count(settings, "bronze"), 800, timeout=120)
-        running.stop()
-
-        cfg = settings.save(Path(settings.data_root) / "settings.json")
-        env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
-        cmd = [sys.executable, "-m", "lakehouse.cli", "run", "--role", "streams"]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        publish(settings, third)
-        _wait_for(lambda: _count(settings, "bronze") > 800, 120, "bronze progress in child")
-        proc.send_signal(signal.SIGKILL)  # hard kill mid-run
-        proc.wait(30)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_for(lambda: _count(settings, "silver") + _count(settings, "quarantine") >= unique_valid + 10
-                      and _count(settings, "bronze") >= 1200, 180, "silver to catch up after restart")
-            exp_windows = len(expected_windows(msgs))
-            _wait_for(lambda: _count(settings, "gold_metrics_1m") >= exp_windows, 120, "gold")
-            _wait_for(lambda: _gold_matches(settings, msgs), 180, "gold contents to converge")
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0
+        if not EXTENDED:  # the short version: the rest in-process (kill -9: test_scaleout_roles)
+            publish(settings, third)
+            try:
+                _converge(settings, msgs, unique_valid)
+            finally:
+                running.stop()
+        else:
+            running.stop()
+            _kill9_streams_process(settings, third, msgs, unique_valid)
     assert _count(settings, "bronze") == 1200
     bronze = rows(settings, "bronze")
     assert not bronze.duplicated(["partition", "offset"]).any()
@@ -188,6 +180,31 @@ def test_restart_streams_graceful_and_hard_kill(settings: Settings, spark) -> No
     assert len(silver) == unique_valid and silver["event_id"].is_unique
     assert _count(settings, "quarantine") == 10
     assert_gold_matches(settings, msgs)
+
+
+def _converge(settings: Settings, msgs, unique_valid: int) -> None:
+    _wait_for(lambda: _count(settings, "silver") + _count(settings, "quarantine") >= unique_valid + 10
+              and _count(settings, "bronze") >= 1200, 180, "silver to catch up")
+    _wait_for(lambda: _count(settings, "gold_metrics_1m") >= len(expected_windows(msgs)), 120, "gold")
+    _wait_for(lambda: _gold_matches(settings, msgs), 180, "gold contents to converge")
+
+
+def _kill9_streams_process(settings: Settings, third, msgs, unique_valid: int) -> None:
+    """A separate streams process killed -9 mid-run, then restarted, catches up exactly."""
+    cfg = settings.save(Path(settings.data_root) / "settings.json")
+    env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
+    cmd = [sys.executable, "-m", "lakehouse.cli", "run", "--role", "streams"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    publish(settings, third)
+    _wait_for(lambda: _count(settings, "bronze") > 800, 120, "bronze progress in child")
+    proc.send_signal(signal.SIGKILL)  # hard kill mid-run
+    proc.wait(30)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _converge(settings, msgs, unique_valid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
 
 
 def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
