@@ -161,7 +161,7 @@ class MetricsListener(StreamingQueryListener):
     """Records progress to Prometheus at once and to ``pipeline_metrics`` every
     ``flush_seconds`` (from its own thread)."""
 
-    def __init__(self, spark: SparkSession, table_path: str, flush_seconds: float = 5.0) -> None:
+    def __init__(self, spark: SparkSession, table_path: str, flush_seconds: float = 30.0) -> None:
         self.spark = spark
         self.path = table_path
         self.flush_seconds = flush_seconds
@@ -260,7 +260,7 @@ def install(spark, settings) -> MetricsListener:
             return existing
         existing.close()
         spark.streams.removeListener(existing)
-    listener = MetricsListener(spark, path)
+    listener = MetricsListener(spark, path, settings.observability.metrics_flush_seconds)
     spark.streams.addListener(listener)
     spark._iotlake_metrics = listener
     return listener

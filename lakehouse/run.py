@@ -106,12 +106,18 @@ def release_spark(spark) -> None:
     """Detach our query listener, then stop the session: with the listener attached the JVM can
     still deliver ``onQueryTerminated`` to Python while the interpreter finalizes, which ended
     processes with SIGSEGV after a clean stop. Only for a process that owns its session."""
+    detach_metrics(spark)
+    spark.stop()
+
+
+def detach_metrics(spark) -> None:
+    """Write what the metrics listener buffered and detach it, stopping its writer thread (a
+    session that lives on, e.g. a caller's, must not keep writing this run's metrics)."""
     listener = getattr(spark, "_iotlake_metrics", None)
     if listener is not None:
-        listener.flush()
+        listener.close()
         spark.streams.removeListener(listener)
         spark._iotlake_metrics = None
-    spark.stop()
 
 
 def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: int = 100,
@@ -184,7 +190,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
         spark = spark_session(settings, app_name="iotlake-demo")
         from lakehouse.metrics import install
 
-        metrics = install(spark, settings)
+        install(spark, settings)
         running = Running(spark, settings, start_layers(spark, settings))
         try:
             messages = generate(settings, events, devices=devices, duplicates=duplicates,
@@ -197,7 +203,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
             if stop_spark:
                 release_spark(spark)
             else:
-                metrics.flush()
+                detach_metrics(spark)
     q = _quality_totals(settings)
     result = {
         "published": published,
