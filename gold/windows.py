@@ -150,7 +150,8 @@ class MergeBatch:
                 continue
             rows = (spark.read.format("delta").load(merged)
                     .where(between("window_end", done, upto)).select(*COLUMNS))
-            append(rows, final, self.app_id, batch_id)
+            if not rows.isEmpty():  # a small read (file statistics) is cheaper than an empty commit
+                append(rows, final, self.app_id, batch_id)
 
 
 def final_upto_s(checkpoint: str, batch_id: int, base: int) -> int | None:
