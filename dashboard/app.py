@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from lakehouse.delta_read import table_exists
 from lakehouse.query import arrow_dataset
 from lakehouse.settings import Settings
 from lakehouse.tables import METRICS
@@ -77,7 +78,7 @@ class TableCache:
                 return entry.snap
             if entry is None:
                 path = self.settings.table_path(name)
-                if not (Path(path) / "_delta_log").is_dir():
+                if not table_exists(path):
                     return None
                 dt = DeltaTable(path)
             else:

@@ -32,8 +32,12 @@ def read_table(table_path: str, version: int | None = None, columns: list[str] |
 
 
 def table_exists(table_path: str, storage_options: dict[str, str] | None = None) -> bool:
+    """A committed table: delta-spark creates ``_delta_log`` before writing version 0, and a
+    reader opening it in between fails. Version 0's commit stays until log cleanup, which only
+    runs after a checkpoint."""
     if not storage.is_uri(table_path):
-        return Path(table_path, "_delta_log").is_dir()
+        log_dir = Path(table_path, "_delta_log")
+        return log_dir.joinpath(f"{0:020d}.json").exists() or log_dir.joinpath("_last_checkpoint").exists()
     return storage.is_dir(storage.join(table_path, "_delta_log"), _opts(table_path, storage_options))
 
 
