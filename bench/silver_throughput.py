@@ -133,7 +133,7 @@ def run_silver(spark, settings: Settings, bronze: str, validate: bool) -> dict:
     for p in steady:
         parts.update({k: v for k, v in p["durationMs"].items() if k != "triggerExecution"})
     return {"batches": len(progress), "steady_rows": rows, "steady_ms": ms,
-            "rows_per_s": rows / (ms / 1000), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+            "rows_per_s": rows / (ms / 1000) if ms else None, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "rows_per_cpu_s": round(sum(p["numInputRows"] for p in progress) / cpu),
             "ms_parts": dict(parts)}
 
@@ -166,7 +166,9 @@ def main() -> None:
         expected = build_bronze(bronze, args.rows, args.commits)
         built = time.monotonic() - t0
         warm = settings("warm_bronze").table_path("bronze")
-        build_bronze(warm, min(args.rows, 2 * args.rows // args.commits), 2, seed=1)
+        # at least two micro-batches, so the warm-up has a steady part too
+        build_bronze(warm, min(args.rows, 2 * args.rows // args.commits), 2 * args.files_per_batch,
+                     seed=1)
         spark = spark_session(settings("spark"), app_name="iotlake-silver-bench")
         for validate in (True, False):
             run_silver(spark, settings(f"warm_{validate}"), warm, validate)
