@@ -6,8 +6,10 @@ rerun resumes or reuses it), is validated (row accounting against bronze as of t
 plus the expectation suite), and only then are readers switched to it by atomically replacing
 ``CURRENT_GENERATION``. Silver reads bronze with Delta's streaming source under
 ``Trigger.AvailableNow``, keeping the rows bronze held at that version (``silver.stream``'s
-``bronze_ending_version``). Live streams started afterwards continue the new generation from that
-bronze version on. Bronze itself is never rewritten.
+``bronze_ending_version``). Bronze itself is never rewritten. Known limit (docs/guarantees.md):
+Delta's streaming source has no ending version, so the rebuild's checkpoint ends at bronze's
+latest version; live streams that continue the new generation skip bronze rows committed after
+version N and before the rebuild.
 """
 
 from __future__ import annotations
