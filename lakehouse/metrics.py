@@ -161,7 +161,7 @@ class MetricsListener(StreamingQueryListener):
     """Records progress to Prometheus at once and to ``pipeline_metrics`` every
     ``flush_seconds`` (from its own thread)."""
 
-    def __init__(self, spark: SparkSession, table_path: str, flush_seconds: float = 30.0) -> None:
+    def __init__(self, spark: SparkSession, table_path: str, flush_seconds: float) -> None:
         self.spark = spark
         self.path = table_path
         self.flush_seconds = flush_seconds

@@ -221,13 +221,9 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
 
 
 def _rows(path: str) -> int:
-    from deltalake import DeltaTable
+    from lakehouse.delta_read import row_count
 
-    from lakehouse.delta_read import table_exists
-
-    if not table_exists(path):
-        return 0
-    return DeltaTable(path).to_pyarrow_dataset().count_rows()
+    return row_count(path)
 
 
 def _quality_totals(settings: Settings) -> dict[str, int]:

@@ -19,7 +19,7 @@ import pytest
 from deltalake import DeltaTable
 
 from ingest.simulator import generate, publish
-from lakehouse.delta_read import table_exists
+from lakehouse.delta_read import row_count
 from lakehouse.pipeline import Running, start_layers
 from lakehouse.run import bridge_thread, check_bridge, demo
 from lakehouse.settings import Settings
@@ -126,8 +126,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def _count(settings: Settings, table: str) -> int:
-    p = Path(settings.table_path(table))
-    return DeltaTable(str(p)).to_pyarrow_dataset().count_rows() if table_exists(str(p)) else 0
+    return row_count(settings.table_path(table))
 
 
 def test_run_notices_a_dead_bridge(settings: Settings) -> None:

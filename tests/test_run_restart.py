@@ -15,12 +15,12 @@ from pathlib import Path
 from deltalake import DeltaTable
 
 from lakehouse.chaos import free_port
-from lakehouse.delta_read import table_exists
+from lakehouse.delta_read import row_count
 from lakehouse.settings import load_settings
 
 
 def _rows(path: str) -> int:
-    return DeltaTable(path).to_pyarrow_dataset().count_rows() if table_exists(path) else 0
+    return row_count(path)
 
 
 def _run_until(cmd: list[str], env: dict[str, str], log: Path, bronze: str, rows: int) -> str:

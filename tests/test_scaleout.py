@@ -23,7 +23,7 @@ from deltalake import DeltaTable
 
 from ingest.simulator import generate
 from lakehouse.cluster import StandaloneCluster, cluster_conf
-from lakehouse.delta_read import table_exists
+from lakehouse.delta_read import row_count
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings
 
@@ -129,8 +129,7 @@ def _produce(s: Settings, messages) -> None:
 
 
 def _count(s: Settings, table: str) -> int:
-    p = s.table_path(table)
-    return DeltaTable(p).to_pyarrow_dataset().count_rows() if table_exists(p) else 0
+    return row_count(s.table_path(table))
 
 
 #: Spark's own failures seen on the loaded 2-core machine, not the pipeline's: a Python worker
