@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -35,15 +34,9 @@ from pyspark.sql.streaming import StreamingQuery
 
 import bronze.stream
 from lakehouse.kafka_config import client_config
-from lakehouse.services import ensure_topics, kafka_service
+from lakehouse.services import ensure_topics, free_port, kafka_service
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def produce(settings: Settings, n: int, devices: int = 1000, headers: bool = False) -> float:

@@ -29,10 +29,9 @@ from pathlib import Path
 from confluent_kafka import Producer
 from deltalake import DeltaTable
 
-from lakehouse.chaos import free_port
 from lakehouse.cluster import StandaloneCluster, cluster_conf
 from lakehouse.kafka_config import client_config
-from lakehouse.services import ensure_topics, kafka_service
+from lakehouse.services import ensure_topics, free_port, kafka_service
 from lakehouse.settings import Settings, load_settings
 
 PARTITIONS = (1, 2, 4)

@@ -50,6 +50,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from lakehouse.services import free_port
 from lakehouse.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,20 +59,6 @@ ROLE_QUERIES = {"bridge": (), "bronze": ("bronze",), "silver": ("silver",),
                 "gold": ("gold_metrics_1m", "gold_health"),
                 "streams": ("bronze", "silver", "gold_metrics_1m", "gold_health")}
 WHOLE_RUN = "whole run"
-
-
-def free_port(pair: bool = False) -> int:
-    """A free port; ``pair``: its successor is free too (the embedded Kafka's controller port)."""
-    import socket
-
-    from lakehouse.services import port_in_use
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair or (port < 65535 and not port_in_use(port + 1)):
-            return port
 
 
 @dataclass

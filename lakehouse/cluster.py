@@ -29,6 +29,8 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lakehouse.services import free_port
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -88,12 +90,6 @@ def ship_packages(spark: SparkSession, dest_dir: str | os.PathLike[str] | None =
 
 
 # ---- a throwaway standalone cluster (tests, benchmarks) --------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def spark_home() -> Path:
     import pyspark

@@ -38,6 +38,43 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(pair: bool = False) -> int:
+    """A free loopback port for a throwaway server (tests, benchmarks); ``pair``: its successor is
+    free too (the embedded Kafka's controller port).
+
+    Chosen below the kernel's ephemeral range: a port the kernel handed out (bind to 0) is also
+    what it hands to outgoing connections, so another process's client socket could take it
+    between this check and the server's bind."""
+    import random
+
+    lo, _ = _ephemeral_range()
+    top = lo - 2 if lo > 12000 else 65533
+    bottom = 10000 if lo > 12000 else _ephemeral_range()[1] + 1
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(bottom, top)
+        if _bindable(port) and (not pair or _bindable(port + 1)):
+            return port
+    raise ServiceError("no free port pair found on 127.0.0.1")
+
+
 def wait_for_port(port: int, proc: subprocess.Popen | None, timeout: float, name: str, log_file: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -23,7 +23,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from ingest.bridge import Bridge
 from ingest.simulator import generate, publish
-from lakehouse.services import ensure_topics
+from lakehouse.services import ensure_topics, free_port
 from lakehouse.settings import Settings
 
 
@@ -341,18 +341,10 @@ def test_kafka_down_mid_stream_then_back(settings, services_settings, caplog, co
             assert len(got) == len(msgs)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_metrics_endpoint(settings):
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     s = derive(settings, bridge={"metrics_port": port})
     msgs = generate(s, 50, seed=3)
     with running(Bridge(s, "b-metrics")) as b:

@@ -18,13 +18,12 @@ from lakehouse.chaos import (
     ChaosConfig,
     Publisher,
     final_window_problems,
-    free_port,
     missing_files,
     run_chaos,
     snapshot_files,
 )
 from lakehouse.run import bridge_thread
-from lakehouse.services import mosquitto_service
+from lakehouse.services import free_port, mosquitto_service
 from lakehouse.settings import Settings, load_settings
 from lakehouse.tables import METRIC_WINDOWS
 

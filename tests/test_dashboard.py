@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import uvicorn
 
 from dashboard.app import create_app
 from lakehouse.query import run_query
+from lakehouse.services import free_port
 from lakehouse.settings import Settings, load_settings
 from tests.lakehouse_fixture import build_lakehouse, write
 
@@ -26,18 +26,12 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings, dict[str, Any]]]:
     """A lakehouse plus the dashboard serving it over HTTP on a free loopback port."""
     settings = load_settings(environ={}, data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
     facts = build_lakehouse(settings, devices=60, hours=2)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings, token=TOKEN, check_every=0.0),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

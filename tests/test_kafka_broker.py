@@ -7,8 +7,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from lakehouse.chaos import free_port
-from lakehouse.services import ensure_topics, kafka_service
+from lakehouse.services import ensure_topics, free_port, kafka_service
 from lakehouse.settings import Settings, load_settings
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from lakehouse.chaos import free_port
 from lakehouse.delta_read import row_count
+from lakehouse.services import free_port
 from lakehouse.settings import load_settings
 
 

@@ -15,15 +15,10 @@ import pytest
 
 from lakehouse.cli import build_parser
 from lakehouse.cli import main as cli_main
+from lakehouse.services import free_port
 from lakehouse.settings import Settings, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listen_addresses(port: int) -> set[str]:
@@ -62,7 +57,7 @@ def test_wrong_mqtt_password_never_printed(settings: Settings, tmp_path: Path) -
     with a clear message; neither secret appears in its stdout or stderr."""
     from lakehouse.services import mosquitto_service
 
-    port = _free_port()
+    port = free_port()
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(tmp_path / "passwd"), "bridge", "the-right-one"],
                    check=True, capture_output=True)
     broker = mosquitto_service(settings, port, extra_conf=f"password_file {tmp_path / 'passwd'}\n").start()
@@ -71,7 +66,7 @@ def test_wrong_mqtt_password_never_printed(settings: Settings, tmp_path: Path) -
     data["mqtt"].update(host="127.0.0.1", port=port, username="bridge", password=secret)
     data["kafka"]["client_config"] = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN",
                                       "sasl.username": "u", "sasl.password": kafka_secret}
-    data["kafka"]["bootstrap"] = f"127.0.0.1:{_free_port()}"  # nothing there: connect errors get logged
+    data["kafka"]["bootstrap"] = f"127.0.0.1:{free_port()}"  # nothing there: connect errors get logged
     cfg = Settings.model_validate(data).save(tmp_path / "settings.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
     env["IOTLAKE_CONFIG"] = str(cfg)
@@ -109,7 +104,7 @@ def test_wrong_password_publish_error_has_no_secret(settings: Settings) -> None:
     from ingest.simulator import Message, publish
     from lakehouse.services import mosquitto_service
 
-    port = _free_port()
+    port = free_port()
     pw = Path(settings.data_root) / "passwd"
     pw.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(pw), "dev", "right"], check=True, capture_output=True)
@@ -135,7 +130,7 @@ def test_endpoint_defaults_are_loopback() -> None:
 
 
 def test_stream_metrics_endpoint_binds_loopback(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     code = f"from lakehouse.metrics import serve; serve({port}); import time; time.sleep(120)"
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
@@ -149,7 +144,7 @@ def test_stream_metrics_endpoint_binds_loopback(tmp_path: Path) -> None:
 def test_bridge_metrics_endpoint_binds_loopback() -> None:
     from ingest.bridge_metrics import BridgeCollector, LatencyHistogram, serve
 
-    port = _free_port()
+    port = free_port()
     stop = serve(port, BridgeCollector("b-sec", lambda: dict.fromkeys(
         ("received", "delivered", "dead_lettered", "failed", "acked", "reconnects", "in_flight",
          "connected"), 0), LatencyHistogram()))
@@ -160,7 +155,7 @@ def test_bridge_metrics_endpoint_binds_loopback() -> None:
 
 
 def test_dashboard_binds_loopback(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
     p = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "--data-root", str(tmp_path / "lake"),
                           "dashboard", "--port", str(port)], cwd=tmp_path, env=env,
