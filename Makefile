@@ -22,7 +22,7 @@ demo: install           ## bounded run: publish events, wait for gold, print acc
 	$(BIN)/iotlake demo --events 5000 --devices 20
 
 test: install test-deps ## the whole test suite (real brokers, real Spark, real Delta files)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40
 
 lint: install
 	$(BIN)/ruff check .
@@ -58,9 +58,14 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-test-deps:              ## headless Chromium for the dashboard's browser test
-	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || { \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium fonts-liberation; }
+test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and kcat (the bridge bench's baseline)
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || missing="$$missing chromium fonts-liberation"; \
+	command -v mosquitto_sub >/dev/null 2>&1 || missing="$$missing mosquitto-clients"; \
+	command -v kcat >/dev/null 2>&1 || missing="$$missing kcat"; \
+	if [ -n "$$missing" ]; then \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 bench: install          ## all benchmarks but the 25-min chaos run (each prints a last JSON line)
 	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done

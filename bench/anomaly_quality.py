@@ -268,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="spark: silver commits the corpus is written in (default: %(default)s)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also score one-knob perturbations of the default config")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a small run that checks the bench still works: the direct path, "
+                         "no Spark (the Spark path is tests/test_anomaly.py's)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.via = "direct"
     if args.batch < 0:
         ap.error("--batch must be >= 0")
     if args.max_rows < 1 or args.commits < 1:

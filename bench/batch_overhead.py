@@ -73,7 +73,10 @@ def main() -> None:
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--layers", default="silver,gold_windows,gold_health",
                     help="layers to report (silver always runs: gold reads it)")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.batch_rows = 2_000, 1_000
     conf = dict(c.split("=", 1) for c in args.conf)
     wanted = args.layers.split(",")
     root = Path(tempfile.mkdtemp(prefix="iotlake-overhead-"))

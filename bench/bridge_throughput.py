@@ -29,7 +29,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from lakehouse.services import embedded_services, ensure_topics
+from lakehouse.services import embedded_services, ensure_topics, free_port
 from lakehouse.settings import Settings, load_settings
 
 DEVICES = 10
@@ -316,8 +316,10 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=5000.0)
     p.add_argument("--latency-seconds", type=float, default=12.0)
     p.add_argument("--warmup-seconds", type=float, default=2.0)
-    p.add_argument("--kafka-port", type=int, default=int(os.environ.get("BENCH_KAFKA_PORT", 39192)))
-    p.add_argument("--mqtt-port", type=int, default=int(os.environ.get("BENCH_MQTT_PORT", 31983)))
+    p.add_argument("--kafka-port", type=int, default=int(os.environ.get("BENCH_KAFKA_PORT", 0)),
+                   help="default: a free port")
+    p.add_argument("--mqtt-port", type=int, default=int(os.environ.get("BENCH_MQTT_PORT", 0)),
+                   help="default: a free port")
     p.add_argument("--only", choices=("capacity", "latency"),
                    help="run one half (for tuning); the JSON then has zeros for the other")
     p.add_argument("--bridge-instances", type=int, default=2,
@@ -329,6 +331,8 @@ def main() -> int:
     if args.smoke:
         args.messages, args.rate, args.latency_seconds, args.warmup_seconds = 5000, 500.0, 3.0, 1.0
         args.bridge_instances = 0
+    args.kafka_port = args.kafka_port or free_port(pair=True)
+    args.mqtt_port = args.mqtt_port or free_port()
     why = ensure_tools()
     if why:
         print(why, file=sys.stderr)

@@ -17,14 +17,21 @@ import json
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lakehouse.chaos import ChaosConfig, run_chaos, summary_line  # noqa: E402
 
+#: ``--smoke``: a minute or two on a 2-core machine, every kind of disruption once or more.
+SMOKE = dict(kills=3, rate=40.0, devices=10, seed=8, roles="bridge,streams", mosquitto_outages=1,
+             kafka_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=90.0,
+             drain_timeout=300.0, event_time_speedup=20.0, compactions=1,
+             compact_tables="bronze,silver,gold_metrics_1m")  # streams read two, one is MERGEd
 
-def main() -> int:
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--rate", type=float, default=100.0, help="messages per second")
@@ -42,12 +49,21 @@ def main() -> int:
     ap.add_argument("--kafka-outages", type=int, default=1)
     ap.add_argument("--compactions", type=int, default=0,
                     help="times to compact every table while the streams write")
+    ap.add_argument("--compact-tables", help="comma-separated tables each compaction rewrites "
+                    "(default: every table)")
     ap.add_argument("--event-time-speedup", type=float, default=1.0,
                     help="simulated event seconds per wall second (> 1 closes windows sooner)")
     ap.add_argument("--drain-timeout", type=float, default=600.0,
                     help="seconds to wait for every layer to catch up after the load")
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed when ok)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="the short run tests/test_chaos.py makes: 3 kills (one of the whole run), "
+                         "one outage of each broker, one compaction of bronze, silver and gold_metrics_1m, "
+                         "event time 20x the clock")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="iotlake-chaos-"))
     cfg = ChaosConfig(root=root, kills=args.kills, rate=args.rate, devices=args.devices,
@@ -55,7 +71,10 @@ def main() -> int:
                       roles=tuple(args.roles.split(",")), mosquitto_outages=args.mosquitto_outages,
                       kafka_outages=args.kafka_outages, drain_timeout=args.drain_timeout,
                       partitions=args.partitions, ready_timeout=args.ready_timeout,
-                      event_time_speedup=args.event_time_speedup, compactions=args.compactions)
+                      event_time_speedup=args.event_time_speedup, compactions=args.compactions,
+                      compact_tables=tuple(args.compact_tables.split(",")) if args.compact_tables else None)
+    if args.smoke:  # a short load around the disruptions, micro-batches twice a second
+        cfg = replace(cfg, warmup_seconds=3, tail_seconds=3, trigger_seconds=0.5)
     result = run_chaos(cfg)
     print(json.dumps(result["detail"]), file=sys.stderr)
     line = {k: v for k, v in result.items() if k != "detail"}

@@ -116,7 +116,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--target-size", type=int, default=1 << 20,
                     help="OPTIMIZE file size (small: several files, so layout matters)")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.commits, args.rows, args.devices, args.runs = 12, 50, 20, 1
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-bench-"))
     try:

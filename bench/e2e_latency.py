@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lakehouse.delta_read import commit_adds, latest_version  # noqa: E402
+from lakehouse.services import free_port  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from lakehouse.spark import shuffle_partitions  # noqa: E402
 
@@ -63,7 +64,7 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
     settings = load_settings(environ={}, data_root=str(root / "lake"),
-                             kafka={"embedded_port": 19492}, mqtt={"embedded_port": 11983},
+                             kafka={"embedded_port": free_port(pair=True)}, mqtt={"embedded_port": free_port()},
                              stream={"trigger_seconds": args.trigger_seconds,
                                      "gold_trigger_seconds": args.gold_trigger_seconds,
                                      "windows_trigger_seconds": args.windows_trigger_seconds},

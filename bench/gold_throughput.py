@@ -188,7 +188,10 @@ def main() -> None:
     ap.add_argument("--scaling", default="1000,100000",
                     help="comma-separated device counts for health-only runs ('' = none)")
     ap.add_argument("--skip-windows", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.devices, args.readings, args.commits, args.scaling = 20, 2_000, 2, ""
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
     spark = spark_session(settings_for(root / "spark", args.max_files), app_name="iotlake-gold-bench")
     try:

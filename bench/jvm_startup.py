@@ -75,7 +75,10 @@ def run(config: Path, java_options: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per mode (alternating)")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs = 1
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise SystemExit("prctl(PR_SET_CHILD_SUBREAPER) failed: Linux only")
     tmp = Path(tempfile.mkdtemp(prefix="iotlake-jvm-"))

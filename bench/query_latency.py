@@ -146,7 +146,10 @@ def main() -> None:
     ap.add_argument("--days", type=int, default=7)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--data-root", help="reuse/keep data here (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.devices, args.days, args.runs = 20, 1, 2
     load0 = round(os.getloadavg()[0], 2)  # the machine is shared: say how busy it was
     root = Path(args.data_root or tempfile.mkdtemp(prefix="iotlake-bench-"))
     settings = load_settings(environ={}, data_root=str(root))

@@ -56,7 +56,10 @@ def main() -> None:
     ap.add_argument("--batch-rows", type=int, default=20_000)
     ap.add_argument("--step-ms", type=float, default=0.2, help="event time between rows")
     ap.add_argument("--edge", type=int, default=5, help="batches at each end to take the median of")
+    ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.batch_rows, args.edge = 8_000, 2_000, 1
     root = Path(tempfile.mkdtemp(prefix="iotlake-dedup-bench-"))
     try:
         bronze = str(root / "bronze")

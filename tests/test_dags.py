@@ -148,12 +148,12 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     assert (rows_to_do(lake, "silver"), rows_to_do(lake, "gold")) == (0, 0)
 
     # ---- reprocess as of bronze v0 = a fresh computation over v0 (rerun: test_backfill) -------
-    # The short version runs the DAG's dry run (the plan, no Spark); the rebuild itself is
-    # test_backfill's, in-process. IOTLAKE_EXTENDED_TESTS=1 runs it through Airflow as well.
+    # The short version leaves it to test_backfill (in-process) and test_dagbag (the DAG's
+    # params); IOTLAKE_EXTENDED_TESTS=1 runs the dry run and the rebuild through Airflow.
     if not EXTENDED:
-        _dags_test(env, "iotlake_reprocess", "-c", json.dumps({"as_of_version": 0}))
-        assert lake.generation() == ""  # a dry run switches nothing
         return _data_quality(env, lake, today)
+    _dags_test(env, "iotlake_reprocess", "-c", json.dumps({"as_of_version": 0}))
+    assert lake.generation() == ""  # a dry run switches nothing
     _dags_test(env, "iotlake_reprocess", "-c", json.dumps({"as_of_version": 0, "dry_run": False}))
     assert lake.generation() == "v0"
     fresh = load_settings(environ={}, data_root=str(tmp_path / "fresh"), spark=spark_conf)
