@@ -66,7 +66,7 @@ def measure(spark, start) -> dict:
                          if k != "triggerExecution" and statistics.median(v) >= 1}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=40_000)
     ap.add_argument("--batch-rows", type=int, default=4_000)
@@ -74,16 +74,16 @@ def main() -> None:
     ap.add_argument("--layers", default="silver,gold_windows,gold_health",
                     help="layers to report (silver always runs: gold reads it)")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
-        args.rows, args.batch_rows = 2_000, 1_000
+        args.rows, args.batch_rows = 2_000, 1_000  # and no warm-up run
     conf = dict(c.split("=", 1) for c in args.conf)
     wanted = args.layers.split(",")
     root = Path(tempfile.mkdtemp(prefix="iotlake-overhead-"))
     try:
         spark = None
         results = {}
-        for run in ("warm", "measured"):
+        for run in ("measured",) if args.smoke else ("warm", "measured"):
             s = settings_for(root, run, args.batch_rows, conf)
             bronze = s.table_path("bronze")
             build_bronze(bronze, args.rows, args.rows // args.batch_rows)

@@ -326,10 +326,10 @@ def main() -> int:
                    help="also drain with `iotlake bridge --instances K` (shared subscription); "
                         "0 or 1 skips it")
     p.add_argument("--smoke", action="store_true",
-                   help="a quick check that every part runs (5,000 messages, 3 s at 500 msg/s)")
+                   help="a quick check that every part runs (1,500 messages, 2 s at 500 msg/s)")
     args = p.parse_args()
     if args.smoke:
-        args.messages, args.rate, args.latency_seconds, args.warmup_seconds = 5000, 500.0, 3.0, 1.0
+        args.messages, args.rate, args.latency_seconds, args.warmup_seconds = 1500, 500.0, 2.0, 0.5
         args.bridge_instances = 0
     args.kafka_port = args.kafka_port or free_port(pair=True)
     args.mqtt_port = args.mqtt_port or free_port()

@@ -108,7 +108,7 @@ def _same(a: list[tuple], b: list[tuple]) -> bool:
         for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commits", type=int, default=500)
     ap.add_argument("--rows", type=int, default=200)
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--target-size", type=int, default=1 << 20,
                     help="OPTIMIZE file size (small: several files, so layout matters)")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.commits, args.rows, args.devices, args.runs = 12, 50, 20, 1
 

@@ -59,7 +59,7 @@ def main() -> None:
                     help="a short run at a low rate that checks the bench still works")
     args = ap.parse_args()
     if args.smoke:
-        args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 25, 10, 2
+        args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 15, 5, 2
     spark_opts = {"shuffle_partitions": args.shuffle_partitions} if args.shuffle_partitions else {}
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))

@@ -179,7 +179,7 @@ def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=10_000)
     ap.add_argument("--readings", type=int, default=1_000_000)
@@ -189,7 +189,7 @@ def main() -> None:
                     help="comma-separated device counts for health-only runs ('' = none)")
     ap.add_argument("--skip-windows", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.devices, args.readings, args.commits, args.scaling = 20, 2_000, 2, ""
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))

@@ -178,7 +178,7 @@ def drain(spark: SparkSession, settings: Settings, max_offsets: int, sink: str) 
             .trigger(availableNow=True).start())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--max-offsets", type=int, default=250_000)
@@ -191,9 +191,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark setting, as iotlake.toml's [spark.conf] would give")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
-        args.messages, args.max_offsets, args.warmup = 20_000, 5_000, 5_000
+        args.messages, args.max_offsets, args.warmup = 4_000, 2_000, 1_000
     conf = dict(kv.split("=", 1) for kv in args.spark_conf)
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))

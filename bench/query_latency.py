@@ -114,7 +114,7 @@ def build(settings: Settings, devices: int, days: int, now: datetime, seed: int 
             "batch_duration_ms": rng.integers(300, 900, minutes), "duration_ms": np.full(minutes, "{}"),
             "state_rows": np.zeros(minutes, int), "state_memory_bytes": np.zeros(minutes, int),
             "rows_dropped_by_watermark": np.zeros(minutes, int), "duplicates_dropped": np.zeros(minutes, int),
-            "watermark": np.full(minutes, ""),
+            "watermark": np.full(minutes, ""), "lag": np.full(minutes, 42),
             "progress_json": np.full(minutes, '{"sources":[{"metrics":{"maxOffsetsBehindLatest":"42"}}]}')})
     for exp in ("device_id_not_null", "temperature_in_range", "battery_in_range"):
         failed = rng.integers(0, 5, minutes)

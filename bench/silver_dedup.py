@@ -50,16 +50,16 @@ def run(spark, root: Path, mode: str, bronze: str, batch_rows: int, edge: int) -
             "cpu_s": round(cpu, 1), "accounting": dict(counters(s))}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--batch-rows", type=int, default=20_000)
     ap.add_argument("--step-ms", type=float, default=0.2, help="event time between rows")
     ap.add_argument("--edge", type=int, default=5, help="batches at each end to take the median of")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
-        args.rows, args.batch_rows, args.edge = 8_000, 2_000, 1
+        args.rows, args.batch_rows, args.edge = 4_000, 2_000, 1
     root = Path(tempfile.mkdtemp(prefix="iotlake-dedup-bench-"))
     try:
         bronze = str(root / "bronze")

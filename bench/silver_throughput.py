@@ -138,7 +138,7 @@ def run_silver(spark, settings: Settings, bronze: str, validate: bool) -> dict:
             "ms_parts": dict(parts)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--commits", type=int, default=10)
@@ -149,9 +149,9 @@ def main() -> None:
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark conf (repeatable), e.g. to try a state store setting")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
-        args.rows, args.commits = 20_000, 4
+        args.rows, args.commits, args.files_per_batch = 4_000, 4, 1
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-silver-bench-"))
     try:

@@ -1,0 +1,37 @@
+"""Benchmarks that measure processes run their ``--smoke`` mode as a user runs them
+(``python bench/<name>.py --smoke``): JVM start-up, ``iotlake run`` end to end, the bridge
+against ``mosquitto_sub | kcat``, scaling; and the two that need no Spark. Spark workloads:
+``tests/test_benchmarks.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_benchmarks import check_last_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: bench -> keys its last line must have
+SUBPROCESS = {
+    "anomaly_quality": ("score", "baseline_score", "readings_per_s"),
+    "bridge_throughput": (),
+    "e2e_latency": (),
+    "jvm_startup": (),
+    "query_latency": (),
+    "scaling": ("messages", "local1_p4_rows_per_s"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bench", sorted(SUBPROCESS))
+def test_bench_smoke(bench: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{bench}.py"), "--smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    check_last_line(bench, proc.stdout, SUBPROCESS[bench])
