@@ -15,8 +15,11 @@ from lakehouse.settings import Settings, load_settings
 
 # Every JVM the suite starts (its Spark session, the CLI and role processes, Airflow's tasks, the
 # standalone cluster) lives seconds to minutes: C1 alone compiles enough, and C2's compiler
-# threads cost ~30% of a short Spark run's CPU on 2 cores (bench/jvm_startup.py).
-C1_ONLY = "-XX:TieredStopAtLevel=1"
+# threads cost ~30% of a short Spark run's CPU on 2 cores (bench/jvm_startup.py). C1-only makes
+# the JVM reserve 48 MB for compiled code, which a Spark process filled within a minute of Delta
+# work ("CodeCache is full. Compiler has been disabled": interpreted from then on): 240 MB, the
+# tiered default.
+C1_ONLY = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 os.environ.setdefault("JAVA_TOOL_OPTIONS", C1_ONLY)
 
 _main = sys.modules["__main__"]

@@ -72,18 +72,30 @@ def test_dagbag(airflow_env: dict[str, str]) -> None:
     assert bag.dags["iotlake_reprocess"].params.get_param("dry_run").value is True
 
 
-def _dags_test(env: dict[str, str], dag_id: str, *extra: str) -> str:
-    # ~60 s alone (Airflow, then a Spark process per task); CI once took over 180 s while the
-    # other test worker ran the chaos test on the same 2 cores. A hang still fails.
-    proc = subprocess.run([AIRFLOW, "dags", "test", dag_id, *extra], env=env, capture_output=True,
-                          text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "state=success" in out, out[-4000:]
-    return out
+def _dags_test(env: dict[str, str], dag_id: str, conf: dict | None = None,
+               logical_date: datetime | None = None) -> None:
+    """Run one DAG as ``airflow dags test`` does, in this process (Airflow's ``DAG.test``: the
+    real scheduler-less run, without a new Airflow process per DAG); each task still spawns
+    the ``iotlake`` CLI and its own Spark."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        dag = DagBag(dag_folder=str(DAGS)).dags[dag_id]
+        run = dag.test(run_conf=conf, **({"logical_date": logical_date} if logical_date else {}))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert str(run.state) in ("success", "DagRunState.SUCCESS"), f"{dag_id}: {run.state}"
 
 
-def test_compaction_dag_compacts(airflow_env: dict[str, str], tmp_path: Path) -> None:
+def test_compaction_dag_compacts(airflow_env: dict[str, str], tmp_path: Path, spark) -> None:
+    # ``spark``: the compaction tasks run delta-spark in this process (DAG.test); the worker's
+    # session must exist first, or they would start it with the subprocess JVMs' C1-only flags
     lake = load_settings(environ={}, data_root=str(tmp_path / "lake"))
     path = build_silver(lake)
     before = content(DeltaTable(path).to_pyarrow_table())
@@ -134,8 +146,7 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
 
     # ---- backfill: exactly the missing rows ------------------------------------------------
     # (that a rerun changes nothing is test_backfill's: the same CLI, without Airflow's ~30 s)
-    layers = json.dumps({"layers": ["silver", "gold"]})  # bronze reads Kafka: not here
-    _dags_test(env, "iotlake_backfill", "-c", layers)
+    _dags_test(env, "iotlake_backfill", {"layers": ["silver", "gold"]})  # bronze reads Kafka: not here
     valid = {m.event_id for m in msgs if m.kind in ("valid", "late")}
     ids = DeltaTable(lake.table_path("silver")).to_pandas().event_id
     assert set(ids) == valid and ids.is_unique
@@ -152,9 +163,9 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     # params); IOTLAKE_EXTENDED_TESTS=1 runs the dry run and the rebuild through Airflow.
     if not EXTENDED:
         return _data_quality(env, lake, today)
-    _dags_test(env, "iotlake_reprocess", "-c", json.dumps({"as_of_version": 0}))
+    _dags_test(env, "iotlake_reprocess", {"as_of_version": 0})
     assert lake.generation() == ""  # a dry run switches nothing
-    _dags_test(env, "iotlake_reprocess", "-c", json.dumps({"as_of_version": 0, "dry_run": False}))
+    _dags_test(env, "iotlake_reprocess", {"as_of_version": 0, "dry_run": False})
     assert lake.generation() == "v0"
     fresh = load_settings(environ={}, data_root=str(tmp_path / "fresh"), spark=spark_conf)
     try:  # the fresh computation: the layers' own code, on the session's Spark
@@ -181,7 +192,7 @@ def _data_quality(env: dict[str, str], lake, today: datetime) -> None:
     from silver.validate import RESULT_FILE
 
     tomorrow = today + timedelta(days=1)
-    _dags_test(env, "iotlake_data_quality", tomorrow.date().isoformat())
+    _dags_test(env, "iotlake_data_quality", logical_date=tomorrow)
     out = lake.root / "quality" / "silver" / f"daily-{today.date()}"
     result = json.loads((out / RESULT_FILE).read_text())
     times = DeltaTable(lake.table_path("silver")).to_pandas().event_time

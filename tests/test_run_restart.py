@@ -63,7 +63,7 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_resumes_from_the_durable_kafka(tm
         "data_root": str(root),
         "kafka": {"embedded_port": kafka_port}, "mqtt": {"embedded_port": free_port()},
         "spark": {"master": "local[2]", "shuffle_partitions": 2},
-        "stream": {"trigger_seconds": 0.5}, "observability": {"metrics_port": 0}}))
+        "stream": {"trigger_seconds": 2.0}, "observability": {"metrics_port": 0}}))
     lake = load_settings(config, environ={})
     bronze = lake.table_path("bronze")
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
