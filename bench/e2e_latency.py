@@ -255,3 +255,8 @@ def _watch(settings, published, silver_seen, current_seen, stop: threading.Event
 
 if __name__ == "__main__":
     main()
+    # Once under load a native library's thread aborted the interpreter's teardown ("terminate
+    # called without an active exception", SIGABRT) after the result was printed: end here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -101,9 +101,10 @@ def main() -> None:
     ap.add_argument("--child")
     ap.add_argument("--topics")
     ap.add_argument("--smoke", action="store_true",
-                    help="a small run that checks the bench still works: local[1] only (the "
-                         "standalone cluster is tests/test_scaleout.py's)")
+                    help="a small run that checks the bench still works: local[1] and 4 partitions "
+                         "only (the standalone cluster is tests/test_scaleout.py's)")
     args = ap.parse_args()
+    partitions = (4,) if args.smoke else PARTITIONS
     if args.smoke:
         args.messages, args.warmup = 2_000, 200
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
@@ -125,7 +126,7 @@ def main() -> None:
         s.spark.shuffle_partitions = 4
         s.stream.max_offsets_per_trigger = max(args.messages, 1)
         s.stream.silver_max_files_per_trigger = 100_000  # one silver batch for the whole topic
-        topics = {"warm": 4, **{f"p{n}": n for n in PARTITIONS}}
+        topics = {"warm": 4, **{f"p{n}": n for n in partitions}}
         for topic, n in topics.items():
             t = s.model_copy(deep=True)
             t.kafka.topic, t.kafka.partitions = topic, n
@@ -136,8 +137,8 @@ def main() -> None:
         results: dict[str, dict] = {}
         for cores in (1,) if args.smoke else (1, 2):
             s.spark.master, s.spark.conf = f"local[{cores}]", {}
-            r = run_child(s, work, f"local{cores}", ["warm", *(f"p{n}" for n in PARTITIONS)])
-            for n in PARTITIONS:
+            r = run_child(s, work, f"local{cores}", ["warm", *(f"p{n}" for n in partitions)])
+            for n in partitions:
                 results[f"local{cores}_p{n}"] = r[f"p{n}"]
         for workers in () if args.smoke else (1, 2):
             with StandaloneCluster(workers=workers, cores=1, memory="1g",
