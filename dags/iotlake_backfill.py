@@ -11,20 +11,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow.sdk import Param, dag, task
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowSkipException
 
 LAYERS = ["bronze", "silver", "gold"]
 
-
-def _iotlake(*args: str) -> None:
-    """Run the iotlake CLI; exit 2 (bad arguments or config) fails without retrying."""
-    from lakehouse.maintenance_cli import run_iotlake
-
-    rc = run_iotlake(*args)
-    if rc == 2:
-        raise AirflowFailException(f"iotlake {args[0]}: invalid arguments or configuration")
-    if rc:
-        raise RuntimeError(f"iotlake {args[0]} failed with exit code {rc}")
 
 
 @dag(
@@ -45,10 +35,12 @@ def _iotlake(*args: str) -> None:
 def iotlake_backfill() -> None:
     @task(trigger_rule="none_failed")
     def backfill(layer: str, params: dict[str, Any] | None = None) -> None:
+        from lakehouse.maintenance_cli import run_iotlake_task
+
         params = params or {}
         if layer not in params.get("layers", LAYERS):
             raise AirflowSkipException(f"layer {layer} not selected")
-        _iotlake("backfill", "--layer", layer, "--max-rows", str(int(params["max_rows_per_batch"])))
+        run_iotlake_task("backfill", "--layer", layer, "--max-rows", str(int(params["max_rows_per_batch"])))
 
     previous = None
     for layer in LAYERS:

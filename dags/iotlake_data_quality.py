@@ -12,18 +12,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import dag, task
-from airflow.sdk.exceptions import AirflowFailException
-
-
-def _iotlake(*args: str) -> None:
-    """Run the iotlake CLI; exit 2 (bad arguments or config) fails without retrying."""
-    from lakehouse.maintenance_cli import run_iotlake
-
-    rc = run_iotlake(*args)
-    if rc == 2:
-        raise AirflowFailException(f"iotlake {args[0]}: invalid arguments or configuration")
-    if rc:
-        raise RuntimeError(f"iotlake {args[0]} failed with exit code {rc}")
 
 
 @dag(
@@ -39,7 +27,7 @@ def iotlake_data_quality() -> None:
     @task
     def validate_silver(data_interval_end: datetime | None = None) -> None:
         from lakehouse.maintenance import version_at
-        from lakehouse.maintenance_cli import task_settings
+        from lakehouse.maintenance_cli import run_iotlake_task, task_settings
 
         settings = task_settings()
         end = (data_interval_end or datetime.now(UTC)).astimezone(UTC)
@@ -47,7 +35,7 @@ def iotlake_data_quality() -> None:
         day = (end - timedelta(days=1)).date().isoformat()
         version = version_at(settings, "silver", end)
         out = settings.root / "quality" / "silver" / f"daily-{day}"
-        _iotlake("validate", "silver", "--version", str(version), "--date", day, "--out", str(out))
+        run_iotlake_task("validate", "silver", "--version", str(version), "--date", day, "--out", str(out))
 
     validate_silver()
 

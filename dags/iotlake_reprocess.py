@@ -13,17 +13,6 @@ from airflow.sdk import Param, dag, task
 from airflow.sdk.exceptions import AirflowFailException
 
 
-def _iotlake(*args: str) -> None:
-    """Run the iotlake CLI; exit 2 (bad arguments or config) fails without retrying."""
-    from lakehouse.maintenance_cli import run_iotlake
-
-    rc = run_iotlake(*args)
-    if rc == 2:
-        raise AirflowFailException(f"iotlake {args[0]}: invalid arguments or configuration")
-    if rc:
-        raise RuntimeError(f"iotlake {args[0]} failed with exit code {rc}")
-
-
 @dag(
     dag_id="iotlake_reprocess",
     schedule=None,
@@ -42,13 +31,15 @@ def _iotlake(*args: str) -> None:
 def iotlake_reprocess() -> None:
     @task(retries=1)
     def reprocess(params: dict[str, Any] | None = None) -> None:
+        from lakehouse.maintenance_cli import run_iotlake_task
+
         params = params or {}
         version, ts = params.get("as_of_version"), params.get("as_of_timestamp")
         if (version is None) == (ts is None):
             raise AirflowFailException("set exactly one of as_of_version or as_of_timestamp")
         args = ["--as-of-version", str(int(version))] if version is not None \
             else ["--as-of-timestamp", str(ts)]
-        _iotlake("reprocess", *args, *(["--dry-run"] if params.get("dry_run") else []))
+        run_iotlake_task("reprocess", *args, *(["--dry-run"] if params.get("dry_run") else []))
 
     reprocess()
 

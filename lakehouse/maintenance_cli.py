@@ -161,3 +161,15 @@ def run_iotlake(*args: str) -> int:
             log.info("%s", line.rstrip())
     log.info("%s exited %s", cmd[0], proc.returncode)
     return proc.returncode
+
+
+def run_iotlake_task(*args: str) -> None:
+    """An Airflow task's run of ``iotlake ARGS``: exit 2 (bad arguments or configuration) fails
+    the task without retrying, any other failure raises (Airflow retries)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    rc = run_iotlake(*args)
+    if rc == 2:
+        raise AirflowFailException(f"iotlake {args[0]}: invalid arguments or configuration")
+    if rc:
+        raise RuntimeError(f"iotlake {args[0]} failed with exit code {rc}")
