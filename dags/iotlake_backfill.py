@@ -16,7 +16,6 @@ from airflow.sdk.exceptions import AirflowSkipException
 LAYERS = ["bronze", "silver", "gold"]
 
 
-
 @dag(
     dag_id="iotlake_backfill",
     schedule=None,

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
+from lakehouse.delta_read import row_count
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
                                 malformed=malformed, seed=seed, start=start)
             published = publish(settings, messages)
             bronze_path = settings.table_path("bronze")
-            running.wait_caught_up(lambda: _rows(bronze_path), published, timeout)
+            running.wait_caught_up(lambda: row_count(bronze_path), published, timeout)
         finally:
             running.stop()
             if stop_spark:
@@ -207,23 +208,17 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
     q = _quality_totals(settings)
     result = {
         "published": published,
-        "bronze_rows": _rows(settings.table_path("bronze")),
-        "silver_rows": _rows(settings.table_path("silver")),
-        "quarantine_rows": _rows(settings.table_path("quarantine")),
+        "bronze_rows": row_count(settings.table_path("bronze")),
+        "silver_rows": row_count(settings.table_path("silver")),
+        "quarantine_rows": row_count(settings.table_path("quarantine")),
         "duplicates_dropped": q.get("duplicates", 0),
         "late_quarantined": q.get("late", 0),
-        "gold_rows": _rows(settings.table_path("gold_metrics_1m")),
+        "gold_rows": row_count(settings.table_path("gold_metrics_1m")),
         "seconds": round(time.monotonic() - t0, 2),
     }
     result["ok"] = (result["bronze_rows"] == published and result["silver_rows"]
                     + result["quarantine_rows"] + result["duplicates_dropped"] == result["bronze_rows"])
     return result
-
-
-def _rows(path: str) -> int:
-    from lakehouse.delta_read import row_count
-
-    return row_count(path)
 
 
 def _quality_totals(settings: Settings) -> dict[str, int]:

@@ -64,9 +64,8 @@ def free_port(pair: bool = False) -> int:
     between this check and the server's bind."""
     import random
 
-    lo, _ = _ephemeral_range()
-    top = lo - 2 if lo > 12000 else 65533
-    bottom = 10000 if lo > 12000 else _ephemeral_range()[1] + 1
+    lo, hi = _ephemeral_range()
+    bottom, top = (10000, lo - 2) if lo > 12000 else (hi + 1, 65533)
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randint(bottom, top)
