@@ -29,8 +29,9 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from lakehouse.services import embedded_services, ensure_topics, free_port
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
+from orchestration.services import embedded_services, free_port
 
 DEVICES = 10
 PAD = 150
@@ -128,7 +129,7 @@ class Subscriber:
         if self.kind == "bridge":
             argv = [sys.executable, "-m", "ingest.bridge"]
             if self.instances > 1:  # `iotlake bridge --instances K`: a shared subscription
-                argv = [sys.executable, "-m", "lakehouse.cli", "bridge", "--instances",
+                argv = [sys.executable, "-m", "orchestration.cli", "bridge", "--instances",
                         str(self.instances)]
             elif os.environ.get("BENCH_PROFILE"):  # cProfile output per bridge run, for tuning
                 argv[1:1] = ["-m", "cProfile", "-o", f"{os.environ['BENCH_PROFILE']}.{self.s.kafka.topic}"]

@@ -6,7 +6,7 @@ duplicates and malformed payloads) at ``--rate`` msg/s. ``--kills`` times, at se
 moments, it kill -9s one role (or all of them: "whole run"), waits and restarts it; optionally
 it also stops and restarts Mosquitto (``--mosquitto-outages``) or Kafka (``--kafka-outages``;
 both keep their data on disk, so an outage must lose nothing). Then it stops the load, waits for every layer to catch up and checks every
-guarantee (``lakehouse/chaos.py``). Last line: one JSON object with kills, published, lost,
+guarantee (``bench/chaos_harness.py``). Last line: one JSON object with kills, published, lost,
 duplicated, mismatched_windows, final_windows_bad, seconds, bronze_extra and per-role kill counts.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lakehouse.chaos import ChaosConfig, run_chaos, summary_line  # noqa: E402
+from chaos_harness import ChaosConfig, run_chaos, summary_line  # noqa: E402
 
 #: ``--smoke``: a minute or two on a 2-core machine, every kind of disruption once or more.
 SMOKE = dict(kills=3, rate=40.0, devices=10, seed=8, roles="bridge,streams", mosquitto_outages=1,

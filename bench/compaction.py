@@ -30,9 +30,9 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
 from lakehouse.delta_tables import ensure_table
-from lakehouse.maintenance import compact, session
 from lakehouse.settings import load_settings
 from lakehouse.tables import SILVER
+from orchestration.maintenance import compact, session
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
 QUERY = """

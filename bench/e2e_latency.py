@@ -31,9 +31,9 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lakehouse.delta_read import commit_adds, latest_version  # noqa: E402
-from lakehouse.services import free_port  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from lakehouse.spark import shuffle_partitions  # noqa: E402
+from orchestration.services import free_port  # noqa: E402
 
 PROBE = "dev-99999"
 
@@ -73,7 +73,7 @@ def main() -> None:
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
     # The devices are a separate process, as real ones are: a simulator thread inside `iotlake run`
     # would share the GIL with the bridge and the streams' driver-side Python.
-    child = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "run"], env=env,
+    child = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "run"], env=env,
                              stdout=open(root / "run.log", "w"), stderr=subprocess.STDOUT)
     sim: subprocess.Popen | None = None
     sim_start = sim_seconds = 0.0
@@ -86,7 +86,7 @@ def main() -> None:
         _wait(lambda: Path(settings.table_path("silver"), "_delta_log").exists() and child.poll() is None,
               120, "pipeline start")
         nice = ["nice", "-n", str(args.simulator_nice)] if args.simulator_nice else []
-        sim = subprocess.Popen([*nice, sys.executable, "-m", "lakehouse.cli", "simulate", "--rate",
+        sim = subprocess.Popen([*nice, sys.executable, "-m", "orchestration.cli", "simulate", "--rate",
                                 str(args.rate), "--devices", str(args.devices)], env=env,
                                stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
         sim_start = time.monotonic()
@@ -171,7 +171,7 @@ def _batch_profile(settings, since: float) -> dict[str, dict]:
 _ROLES = (("simulate", "simulator"), ("ingest.bridge", "bridge"), ("pyspark.daemon", "spark python workers"),
           ("pyspark/daemon", "spark python workers"), ("pyspark.worker", "spark python workers"),
           ("kafka.Kafka", "kafka broker"), ("java", "spark jvm"),
-          ("lakehouse.cli run", "driver (python)"), ("mosquitto", "mosquitto"))
+          ("orchestration.cli run", "driver (python)"), ("mosquitto", "mosquitto"))
 #: The roles that are ``iotlake run`` itself (not the simulator, not this script or the rest).
 _IOTLAKE = ("bridge", "spark python workers", "kafka broker", "spark jvm", "driver (python)", "mosquitto")
 

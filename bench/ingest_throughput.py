@@ -34,9 +34,10 @@ from pyspark.sql.streaming import StreamingQuery
 
 import bronze.stream
 from lakehouse.kafka_config import client_config
-from lakehouse.services import ensure_topics, free_port, kafka_service
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
+from orchestration.services import free_port, kafka_service
 
 
 def produce(settings: Settings, n: int, devices: int = 1000, headers: bool = False) -> float:

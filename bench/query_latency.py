@@ -33,9 +33,9 @@ from deltalake import WriterProperties, write_deltalake
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dashboard.app import Memo, TableCache, create_app  # noqa: E402
-from lakehouse.query import run_query  # noqa: E402
 from lakehouse.settings import Settings, load_settings  # noqa: E402
 from lakehouse.tables import METRICS, SCHEMAS  # noqa: E402
+from orchestration.query import run_query  # noqa: E402
 
 PROPS = WriterProperties(max_row_group_size=64 * 1024, compression="ZSTD")
 BASE = {"temperature": (21.0, 0.8), "humidity": (45.0, 3.0), "battery": (80.0, 0.5)}

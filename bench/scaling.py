@@ -29,10 +29,11 @@ from pathlib import Path
 from confluent_kafka import Producer
 from deltalake import DeltaTable
 
-from lakehouse.cluster import StandaloneCluster, cluster_conf
 from lakehouse.kafka_config import client_config
-from lakehouse.services import ensure_topics, free_port, kafka_service
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
+from orchestration.cluster import StandaloneCluster, cluster_conf
+from orchestration.services import free_port, kafka_service
 
 PARTITIONS = (1, 2, 4)
 
@@ -62,7 +63,7 @@ def produce(settings: Settings, n: int, devices: int = 500) -> None:
 
 def child(cfg: str, topics: list[str]) -> None:
     """Drain each topic through bronze and silver; print {topic: {rows, bronze_s, silver_s}}."""
-    from lakehouse.backfill import backfill
+    from orchestration.backfill import backfill
 
     base = load_settings(cfg)
     out = {}

@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse import delta_tables
-from lakehouse.services import ensure_topics
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import BRONZE

@@ -34,7 +34,7 @@ LAYERS = ["bronze", "silver", "gold"]
 def iotlake_backfill() -> None:
     @task(trigger_rule="none_failed")
     def backfill(layer: str, params: dict[str, Any] | None = None) -> None:
-        from lakehouse.maintenance_cli import run_iotlake_task
+        from orchestration.maintenance_cli import run_iotlake_task
 
         params = params or {}
         if layer not in params.get("layers", LAYERS):

@@ -25,22 +25,22 @@ from airflow.sdk import dag, task, task_group
 def iotlake_compaction() -> None:
     @task
     def list_tables() -> list[str]:
-        from lakehouse.maintenance import resolve_tables
-        from lakehouse.maintenance_cli import task_settings
+        from orchestration.maintenance import resolve_tables
+        from orchestration.maintenance_cli import task_settings
 
         return resolve_tables(task_settings())
 
     @task
     def compact(table: str) -> dict[str, Any]:
-        from lakehouse.maintenance import compact
-        from lakehouse.maintenance_cli import task_settings
+        from orchestration.maintenance import compact
+        from orchestration.maintenance_cli import task_settings
 
         return compact(task_settings(), [table])[0]
 
     @task
     def vacuum(table: str) -> dict[str, Any]:
-        from lakehouse.maintenance import vacuum
-        from lakehouse.maintenance_cli import task_settings
+        from orchestration.maintenance import vacuum
+        from orchestration.maintenance_cli import task_settings
 
         result = vacuum(task_settings(), [table])[0]
         return {**result, "deleted": len(result["deleted"])}  # counts only: keep XCom small

@@ -26,8 +26,8 @@ from airflow.sdk import dag, task
 def iotlake_data_quality() -> None:
     @task
     def validate_silver(data_interval_end: datetime | None = None) -> None:
-        from lakehouse.maintenance import version_at
-        from lakehouse.maintenance_cli import run_iotlake_task, task_settings
+        from orchestration.maintenance import version_at
+        from orchestration.maintenance_cli import run_iotlake_task, task_settings
 
         settings = task_settings()
         end = (data_interval_end or datetime.now(UTC)).astimezone(UTC)

@@ -31,7 +31,7 @@ from airflow.sdk.exceptions import AirflowFailException
 def iotlake_reprocess() -> None:
     @task(retries=1)
     def reprocess(params: dict[str, Any] | None = None) -> None:
-        from lakehouse.maintenance_cli import run_iotlake_task
+        from orchestration.maintenance_cli import run_iotlake_task
 
         params = params or {}
         version, ts = params.get("as_of_version"), params.get("as_of_timestamp")

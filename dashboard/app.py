@@ -28,8 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from lakehouse.delta_read import table_exists
-from lakehouse.query import arrow_dataset
+from lakehouse.delta_read import arrow_dataset, table_exists
 from lakehouse.settings import Settings
 from lakehouse.tables import METRICS
 

@@ -57,8 +57,8 @@ from lakehouse.tables import (
 QUERY = "gold_health"
 #: Fixed per checkpoint; also the most shuffle partitions the stream can use. More buckets:
 #: less state rewritten when a micro-batch has fewer readings than buckets; fewer: less fixed
-#: cost per group (~3 ms: pyspark's conversions and ours). 256 -> 64 took the Python workers
-#: from 0.9 to 0.46 CPU-s per 100k readings at 10k devices (bench/gold_throughput.py).
+#: cost per group (pyspark's conversions and ours). Measured with bench/gold_throughput.py;
+#: figures in docs/benchmarks.md.
 STATE_BUCKETS = 64
 
 # One row per reading (kind "reading", its metrics side by side: a third of the rows of one row

@@ -53,11 +53,11 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _ensure_topics(settings: Settings) -> None:
-    from lakehouse.services import ServiceError, ensure_topics
+    from lakehouse.kafka_topics import KafkaUnavailable, ensure_topics
 
     try:
         ensure_topics(settings, timeout=10)
-    except ServiceError as e:  # the bridge itself waits for Kafka (backpressure)
+    except KafkaUnavailable as e:  # the bridge itself waits for Kafka (backpressure)
         log.warning("could not ensure Kafka topics: %s", e)
 
 

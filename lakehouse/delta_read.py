@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
 from lakehouse import storage
@@ -84,3 +86,13 @@ def row_count(table_path: str, version: int | None = None) -> int:
         return 0
     dt = open_table(table_path, version)
     return dt.to_pyarrow_dataset().count_rows()
+
+
+def arrow_dataset(dt: DeltaTable) -> ds.Dataset:
+    """Lazy Arrow dataset of a table version; local tables are read with Arrow's native file
+    system (delta-rs' default goes through a Python file-system shim)."""
+    uri = dt.table_uri
+    if uri.startswith("file://") or "://" not in uri:
+        root = uri.removeprefix("file://")
+        return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()))
+    return dt.to_pyarrow_dataset()

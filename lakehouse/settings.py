@@ -50,7 +50,7 @@ class _Section(BaseModel):
 
 class KafkaSettings(_Section):
     """Kafka cluster. An empty ``bootstrap`` means: start the embedded Apache Kafka (one KRaft
-    node, log under ``<data_root>/run/kafka-<embedded_port>``; lakehouse.services)."""
+    node, log under ``<data_root>/run/kafka-<embedded_port>``; orchestration.services)."""
 
     bootstrap: str = ""
     embedded_port: int = Field(19092, ge=1, le=65535)

@@ -10,7 +10,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from lakehouse import jars, storage
-from lakehouse.cluster import is_local, ship_packages
+from lakehouse.deploy import is_local, ship_packages
 from lakehouse.settings import Settings
 
 #: Spark's FAIR scheduler pools, one per layer (``spark.fair_pools``; ``lakehouse.streams.pool``).
@@ -21,7 +21,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     """Create (or reuse) the session. Workers run this venv's Python so they find pyarrow.
 
     With a cluster master (``spark://``, ``k8s://``, ``yarn``) iotlake's packages are shipped to
-    the executors (``lakehouse.cluster``); executors need the same Python and dependencies.
+    the executors (``lakehouse.deploy``); executors need the same Python and dependencies.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

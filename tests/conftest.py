@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from lakehouse.services import embedded_services
-from lakehouse.settings import Settings, load_settings
+# The chaos harness and the benchmarks live in bench/ (scripts, not a package): tests import
+# them as their scripts do, by sibling name.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+
+from lakehouse.settings import Settings, load_settings  # noqa: E402
+from orchestration.services import embedded_services  # noqa: E402
 
 # Every JVM the suite starts (its Spark session, the CLI and role processes, Airflow's tasks, the
 # standalone cluster) lives seconds to minutes: C1 alone compiles enough, and C2's compiler
@@ -86,7 +90,7 @@ def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
         observability={"metrics_port": 0},
         spark={"master": "local[2]", "shuffle_partitions": 2},
     )
-    from lakehouse.services import ensure_topics
+    from lakehouse.kafka_topics import ensure_topics
 
     ensure_topics(s)
     return s

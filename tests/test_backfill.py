@@ -14,10 +14,10 @@ from confluent_kafka import Producer
 from deltalake import DeltaTable
 
 from ingest.simulator import generate
-from lakehouse.backfill import backfill, rows_to_do
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings, load_settings
 from lakehouse.streams import CheckpointBusy
+from orchestration.backfill import backfill, rows_to_do
 from tests.lakehouse_fixture import write_bronze
 
 START = datetime(2026, 3, 1, tzinfo=UTC)
@@ -65,7 +65,7 @@ def test_backfill_refuses_while_live_stream_holds_checkpoint(settings: Settings,
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(CheckpointBusy, match="in use by another running stream"):
             backfill(settings, ["silver"])
-        from lakehouse.cli import main
+        from orchestration.cli import main
 
         assert main(["--data-root", settings.data_root, "backfill", "--layer", "silver"]) == 3
     finally:
@@ -78,8 +78,8 @@ def test_backfill_cli_refuses_while_the_live_stream_runs(tmp_path: Path, spark) 
     """A real live silver stream (this process) holds the checkpoint: ``iotlake backfill`` in
     another process refuses clearly with exit code 3, before starting Spark, changing nothing."""
     import silver.stream
-    from lakehouse.pipeline import delta_caught_up
     from lakehouse.streams import release_checkpoints
+    from orchestration.pipeline import delta_caught_up
 
     lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), stream={"trigger_seconds": 0.5})
     write_bronze(lake, generate(lake, 200, devices=4, duplicates=5, start=START))
@@ -109,7 +109,7 @@ def test_backfill_cli_refuses_while_the_live_stream_runs(tmp_path: Path, spark) 
 
 
 def test_reprocess_as_of_bronze_version_switches_readers_and_is_idempotent(settings: Settings, spark) -> None:
-    from lakehouse.reprocess import reprocess
+    from orchestration.reprocess import reprocess
 
     msgs = generate(settings, 700, devices=5, duplicates=15, malformed=8, start=START)
     first = msgs[:400]

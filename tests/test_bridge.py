@@ -23,8 +23,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from ingest.bridge import Bridge
 from ingest.simulator import generate, publish
-from lakehouse.services import ensure_topics, free_port
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
+from orchestration.services import free_port
 
 
 def derive(settings: Settings, **changes) -> Settings:
@@ -268,7 +269,7 @@ def test_kill9_loses_nothing(settings, tmp_path):
 
 def test_backpressure_when_kafka_down(settings, services_settings):
     """Kafka unreachable: the bridge stops at max_inflight unacked, then resumes on its own."""
-    from lakehouse.services import kafka_service, port_in_use
+    from orchestration.services import kafka_service, port_in_use
 
     port = services_settings.kafka.embedded_port + 7  # its controller: + 8
     if port_in_use(port):
@@ -300,7 +301,7 @@ def test_kafka_down_mid_stream_then_back(settings, services_settings, caplog, co
     max_inflight unacknowledged meanwhile, then delivers everything MQTT kept for it."""
     import shutil
 
-    from lakehouse.services import kafka_service, port_in_use
+    from orchestration.services import kafka_service, port_in_use
 
     port = services_settings.kafka.embedded_port + 9  # its controller: + 10
     if port_in_use(port) or port_in_use(port + 1):
@@ -375,7 +376,7 @@ def test_cli_instances(settings, tmp_path):
     })
     log = tmp_path / "cli.log"
     with open(log, "ab") as out:
-        p = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "--data-root", str(tmp_path / "d"),
+        p = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "--data-root", str(tmp_path / "d"),
                               "bridge", "--instances", "2"], env=env, cwd=tmp_path,
                              stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -435,7 +436,7 @@ def _make_certs(d: Path) -> dict[str, str]:
 
 def test_tls_auth_and_broker_restart(settings, tmp_path, caplog):
     """MQTT over TLS with client certs and a password; survives a broker restart; no secret logged."""
-    from lakehouse.services import mosquitto_service, port_in_use
+    from orchestration.services import mosquitto_service, port_in_use
 
     port = settings.mqtt_endpoint[1] + 11
     if port_in_use(port):

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from chaos_harness import Publisher, final_window_problems, missing_files, snapshot_files
 from confluent_kafka import Consumer, TopicPartition
 from deltalake import write_deltalake
 
 from bench.chaos import main as chaos_bench
 from ingest.simulator import generate
-from lakehouse.chaos import Publisher, final_window_problems, missing_files, snapshot_files
-from lakehouse.run import bridge_thread
-from lakehouse.services import free_port, mosquitto_service
 from lakehouse.settings import Settings, load_settings
 from lakehouse.tables import METRIC_WINDOWS
+from orchestration.run import bridge_thread
+from orchestration.services import free_port, mosquitto_service
 
 
 @pytest.mark.slow

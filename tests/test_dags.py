@@ -125,8 +125,8 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     import gold.windows
     import silver.stream
     from ingest.simulator import generate
-    from lakehouse.backfill import backfill, rows_to_do
     from lakehouse.streams import release_checkpoints
+    from orchestration.backfill import backfill, rows_to_do
     spark_conf = {"master": "local[2]", "shuffle_partitions": 2}
     lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), spark=spark_conf)
     config = tmp_path / "iotlake.toml"

@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 
 from dashboard.app import create_app
-from lakehouse.query import run_query
-from lakehouse.services import free_port
 from lakehouse.settings import Settings, load_settings
+from orchestration.query import run_query
+from orchestration.services import free_port
 from tests.lakehouse_fixture import build_lakehouse, write
 
 TOKEN = "test-token-123"

@@ -26,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow.compute as pc
+from chaos_harness import quality_accounting
 from confluent_kafka import Consumer, TopicPartition
 from deltalake import DeltaTable
 from hypothesis import HealthCheck, Phase, given, seed
@@ -34,10 +35,9 @@ from hypothesis import strategies as st
 
 from ingest.bridge import DLQ_MAX_VALUE
 from ingest.simulator import Message, publish
-from lakehouse.chaos import quality_accounting
-from lakehouse.pipeline import LAYERS, Running, check_alive, delta_caught_up, start_layers
-from lakehouse.run import bridge_thread
 from lakehouse.settings import Settings
+from orchestration.pipeline import LAYERS, Running, check_alive, delta_caught_up, start_layers
+from orchestration.run import bridge_thread
 
 N_PAYLOADS = 400
 BASE = datetime(2026, 1, 1, tzinfo=UTC)

@@ -7,8 +7,9 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from lakehouse.services import ensure_topics, free_port, kafka_service
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
+from orchestration.services import free_port, kafka_service
 
 
 def _records(settings: Settings) -> dict[tuple[int, int], bytes]:
@@ -93,7 +94,7 @@ def test_a_broker_left_running_by_a_killed_run_is_stopped_at_the_next_start(tmp_
     """Brokers run in their own session, so kill -9 of `iotlake run` leaves them running: the
     next start stops that one (it holds the ports and the data) instead of failing. Shown with
     Mosquitto, which starts in milliseconds; Kafka uses the same code."""
-    from lakehouse.services import mosquitto_service
+    from orchestration.services import mosquitto_service
 
     port = free_port()
     s = load_settings(environ={}, data_root=str(tmp_path))

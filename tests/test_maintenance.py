@@ -14,10 +14,10 @@ from deltalake import DeltaTable, write_deltalake
 
 from lakehouse.delta_read import commit_adds, read_table
 from lakehouse.delta_tables import ensure_table
-from lakehouse.maintenance import compact, restore, table_history, vacuum, version_at
-from lakehouse.maintenance_cli import register
 from lakehouse.settings import Settings, SettingsError, load_settings
 from lakehouse.tables import SILVER
+from orchestration.maintenance import compact, restore, table_history, vacuum, version_at
+from orchestration.maintenance_cli import register
 
 APPENDS, ROWS = 60, 50
 T0 = datetime(2024, 5, 1, tzinfo=UTC)

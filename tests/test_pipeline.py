@@ -20,10 +20,10 @@ from deltalake import DeltaTable
 
 from ingest.simulator import generate, publish
 from lakehouse.delta_read import row_count
-from lakehouse.pipeline import Running, start_layers
-from lakehouse.run import bridge_thread, check_bridge, demo
 from lakehouse.settings import Settings
 from lakehouse.tables import METRICS
+from orchestration.pipeline import Running, start_layers
+from orchestration.run import bridge_thread, check_bridge, demo
 
 EXTENDED = bool(os.environ.get("IOTLAKE_EXTENDED_TESTS"))
 
@@ -193,7 +193,7 @@ def _kill9_streams_process(settings: Settings, third, msgs, unique_valid: int) -
     """A separate streams process killed -9 mid-run, then restarted, catches up exactly."""
     cfg = settings.save(Path(settings.data_root) / "settings.json")
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
-    cmd = [sys.executable, "-m", "lakehouse.cli", "run", "--role", "streams"]
+    cmd = [sys.executable, "-m", "orchestration.cli", "run", "--role", "streams"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     publish(settings, third)
     _wait_for(lambda: _count(settings, "bronze") > 800, 120, "bronze progress in child")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lakehouse.cli import main
-from lakehouse.query import QueryError, run_query
 from lakehouse.settings import Settings, load_settings
+from orchestration.cli import main
+from orchestration.query import QueryError, run_query
 from tests.lakehouse_fixture import build_lakehouse, write
 
 
@@ -105,7 +105,7 @@ SAME_AS_QUERY = [
 
 
 def sql(spark, settings: Settings, text: str, *args, **kwargs) -> int:
-    from lakehouse.sql_cli import execute
+    from orchestration.sql_cli import execute
 
     return execute(spark, settings, text, *args, **kwargs)
 
@@ -143,7 +143,7 @@ def test_sql_time_travel(lake, spark, capsys) -> None:
 
 
 def test_sql_bad_statements_exit_2(lake, spark, capsys) -> None:
-    from lakehouse.sql_cli import SqlSession, repl
+    from orchestration.sql_cli import SqlSession, repl
 
     settings, _ = lake
     assert sql(spark, settings, "SELEC * FROM device_current") == 2

@@ -15,8 +15,8 @@ from pathlib import Path
 from deltalake import DeltaTable
 
 from lakehouse.delta_read import row_count
-from lakehouse.services import free_port
 from lakehouse.settings import load_settings
+from orchestration.services import free_port
 
 
 def _rows(path: str) -> int:
@@ -68,7 +68,7 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_resumes_from_the_durable_kafka(tm
     bronze = lake.table_path("bronze")
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
     env["IOTLAKE_CONFIG"] = str(config)
-    cmd = [sys.executable, "-m", "lakehouse.cli", "run", "--simulate", "300", "--devices", "10"]
+    cmd = [sys.executable, "-m", "orchestration.cli", "run", "--simulate", "300", "--devices", "10"]
 
     first = _run_until(cmd, env, tmp_path / "run1.log", bronze, 300)
     assert "signal SIGINT: shutting down" in first
@@ -80,8 +80,9 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_resumes_from_the_durable_kafka(tm
     n2 = _delivered(second)
     # The broker kept every record across both runs: its end offsets are what the bridges
     # delivered, and bronze read each offset from 0 at most once, without gaps.
-    from lakehouse.chaos import kafka_end_offsets
-    from lakehouse.services import kafka_service
+    from chaos_harness import kafka_end_offsets
+
+    from orchestration.services import kafka_service
 
     broker = kafka_service(lake).start()
     try:

@@ -22,13 +22,13 @@ from confluent_kafka import Producer
 from deltalake import DeltaTable
 
 from ingest.simulator import generate
-from lakehouse.cluster import StandaloneCluster, cluster_conf
 from lakehouse.delta_read import row_count
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings
+from orchestration.cluster import StandaloneCluster, cluster_conf
 
 START = "2026-05-01T00:00:00Z"
-CLI = [sys.executable, "-m", "lakehouse.cli"]
+CLI = [sys.executable, "-m", "orchestration.cli"]
 EXTENDED = bool(os.environ.get("IOTLAKE_EXTENDED_TESTS"))
 #: Columns that differ between two runs of the same data: arrival time and Kafka coordinates.
 RUN_SPECIFIC = {"ingest_time", "quarantined_at", "kafka_topic", "kafka_partition", "kafka_offset"}

@@ -27,7 +27,7 @@ def s3(tmp_path: Path):
     pytest.importorskip("moto", reason="pip install 'moto[server]' (dev dependency)")
     import boto3
 
-    from lakehouse.services import free_port
+    from orchestration.services import free_port
 
     port = free_port()
     log_file = open(tmp_path / "moto.log", "wb")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lakehouse.cli import build_parser
-from lakehouse.cli import main as cli_main
-from lakehouse.services import free_port
 from lakehouse.settings import Settings, SettingsError, load_settings
+from orchestration.cli import build_parser
+from orchestration.cli import main as cli_main
+from orchestration.services import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def _wait_listening(port: int, proc: subprocess.Popen | None = None, timeout: fl
 def test_wrong_mqtt_password_never_printed(settings: Settings, tmp_path: Path) -> None:
     """`iotlake -v run --role bridge` with a wrong password (and a Kafka SASL password) fails
     with a clear message; neither secret appears in its stdout or stderr."""
-    from lakehouse.services import mosquitto_service
+    from orchestration.services import mosquitto_service
 
     port = free_port()
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(tmp_path / "passwd"), "bridge", "the-right-one"],
@@ -71,7 +71,7 @@ def test_wrong_mqtt_password_never_printed(settings: Settings, tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
     env["IOTLAKE_CONFIG"] = str(cfg)
     try:
-        p = subprocess.run([sys.executable, "-m", "lakehouse.cli", "-v", "run", "--role", "bridge"],
+        p = subprocess.run([sys.executable, "-m", "orchestration.cli", "-v", "run", "--role", "bridge"],
                            env=env, cwd=ROOT, capture_output=True, timeout=120)
     finally:
         broker.stop()
@@ -102,7 +102,7 @@ def test_wrong_password_publish_error_has_no_secret(settings: Settings) -> None:
     """A refused MQTT connection raises without the password (embedded broker allows anonymous
     access, so use a password broker)."""
     from ingest.simulator import Message, publish
-    from lakehouse.services import mosquitto_service
+    from orchestration.services import mosquitto_service
 
     port = free_port()
     pw = Path(settings.data_root) / "passwd"
@@ -157,7 +157,7 @@ def test_bridge_metrics_endpoint_binds_loopback() -> None:
 def test_dashboard_binds_loopback(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
-    p = subprocess.Popen([sys.executable, "-m", "lakehouse.cli", "--data-root", str(tmp_path / "lake"),
+    p = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "--data-root", str(tmp_path / "lake"),
                           "dashboard", "--port", str(port)], cwd=tmp_path, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lakehouse.cli import main
-from lakehouse.services import ServiceError, kafka_service
 from lakehouse.settings import SettingsError, load_settings
+from orchestration.cli import main
+from orchestration.services import ServiceError, kafka_service
 
 
 def test_defaults_and_env_overrides(tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_embedded_kafka_settings() -> None:
 
 def test_embedded_kafka_controller_port_never_collides() -> None:
     """Test workers' brokers are 100 ports apart, `make run`'s at 19092: controllers at + 1."""
-    from lakehouse.services import kafka_controller_port
+    from orchestration.services import kafka_controller_port
 
     s = load_settings(environ={})
     assert kafka_controller_port(s, 19092) == 19093

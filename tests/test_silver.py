@@ -21,9 +21,9 @@ from pyspark.sql import functions as F
 
 import silver.stream
 from lakehouse.delta_read import read_table
-from lakehouse.pipeline import delta_caught_up
 from lakehouse.settings import Settings, load_settings
 from lakehouse.tables import BRONZE
+from orchestration.pipeline import delta_caught_up
 from silver.expectations import arrow_quality, failed_expectations, load_suite, quality_summary
 from silver.validate import validate_table
 from tests.test_expectations import CASES, SCHEMA

@@ -47,7 +47,7 @@ def _guarded(func: Callable[[argparse.Namespace, Settings], int]) -> Callable[..
 
 
 def _compact(args: argparse.Namespace, settings: Settings) -> int:
-    from lakehouse.maintenance import compact
+    from orchestration.maintenance import compact
 
     _print(compact(settings, args.table, target_size=args.target_size,
                    zorder=False if args.no_zorder else None))
@@ -55,7 +55,7 @@ def _compact(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _vacuum(args: argparse.Namespace, settings: Settings) -> int:
-    from lakehouse.maintenance import vacuum
+    from orchestration.maintenance import vacuum
 
     _print(vacuum(settings, args.table, retention_hours=args.retention_hours, dry_run=args.dry_run,
                   enforce_retention_duration=not args.force))
@@ -63,14 +63,14 @@ def _vacuum(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _restore(args: argparse.Namespace, settings: Settings) -> int:
-    from lakehouse.maintenance import restore
+    from orchestration.maintenance import restore
 
     _print([restore(settings, args.table, version=args.version, timestamp=args.timestamp)])
     return 0
 
 
 def _history(args: argparse.Namespace, settings: Settings) -> int:
-    from lakehouse.maintenance import table_history
+    from orchestration.maintenance import table_history
 
     _print(table_history(settings, args.table, limit=args.limit))
     return 0

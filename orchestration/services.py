@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lakehouse.jars import kafka_classpath
+from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -290,8 +291,8 @@ def kafka_service(settings: Settings, port: int | None = None) -> Service:
     conf, log4j = run / "server.properties", run / "log4j2.properties"
     java, classpath = java_binary(), kafka_classpath()
     heap = settings.kafka.embedded_heap_mb
-    # Serial GC and C1 only: on a small machine the broker's start took 13 s instead of 29 s
-    # (2 loaded cores), with no slower produce, and RSS stays near heap + ~50 MB.
+    # Serial GC and C1 only: on a small machine the broker starts in about half the time, with
+    # no slower produce, and RSS stays near the heap (docs/benchmarks.md).
     jvm = [java, f"-Xmx{heap}m", f"-Xms{min(64, heap)}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
            f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
@@ -337,36 +338,6 @@ def wait_for_kafka(bootstrap: str, timeout: float, svc: Service | None = None) -
         if time.monotonic() > deadline:
             raise ServiceError(f"Kafka at {bootstrap} did not answer within {timeout:.0f}s")
         time.sleep(0.2)
-
-
-def ensure_topics(settings: Settings, timeout: float = 30.0) -> None:
-    """Create the telemetry and dead-letter topics if missing (idempotent)."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    from lakehouse.kafka_config import client_config
-
-    admin = AdminClient(client_config(settings))
-    wanted = {settings.kafka.topic: settings.kafka.partitions, settings.kafka.dead_letter_topic: 1}
-    for t in settings.bridge.topic_map.values():
-        wanted.setdefault(t, settings.kafka.partitions)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            existing = set(admin.list_topics(timeout=5).topics)
-            break
-        except Exception as e:  # noqa: BLE001 - broker still starting
-            if time.monotonic() > deadline:
-                raise ServiceError(f"Kafka at {settings.kafka_bootstrap} unreachable: {e}") from e
-            time.sleep(0.5)
-    new = [NewTopic(t, num_partitions=n, replication_factor=1) for t, n in wanted.items() if t not in existing]
-    if not new:
-        return
-    for topic, fut in admin.create_topics(new, operation_timeout=timeout).items():
-        try:
-            fut.result()
-        except Exception as e:  # noqa: BLE001
-            if "TOPIC_ALREADY_EXISTS" not in str(e) and "already exists" not in str(e):
-                raise ServiceError(f"could not create Kafka topic {topic!r}: {e}") from e
 
 
 @contextlib.contextmanager

@@ -21,10 +21,10 @@ from typing import TextIO
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from lakehouse.query import QueryError, open_table, referenced_tables
-from lakehouse.query_cli import format_table
 from lakehouse.settings import Settings
 from lakehouse.tables import SCHEMAS
+from orchestration.query import QueryError, open_table, referenced_tables
+from orchestration.query_cli import add_read_options, format_table
 
 # Literals, quoted identifiers and comments (unterminated ones run to the end: an unfinished
 # statement at the prompt), a ';', or anything else.
@@ -242,10 +242,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("-e", "--execute", metavar="SQL", help="statement(s) to run, ';'-separated")
     src.add_argument("-f", "--file", metavar="FILE", help="file of ';'-separated statements")
-    when = p.add_mutually_exclusive_group()
-    when.add_argument("--as-of-version", type=int, metavar="N",
-                      help="read every table as of Delta version N")
-    when.add_argument("--as-of-timestamp", metavar="T",
-                      help="read every table as of timestamp T (ISO 8601, e.g. 2024-05-01T12:00:00Z)")
-    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    add_read_options(p)
     p.set_defaults(func=_run)

@@ -9,8 +9,8 @@ import sys
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from lakehouse.query import QueryError, run_query
 from lakehouse.settings import Settings
+from orchestration.query import QueryError, run_query
 
 
 def format_table(table: pa.Table, fmt: str) -> str:
@@ -38,6 +38,16 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def add_read_options(p: argparse.ArgumentParser) -> None:
+    """``--as-of-version`` / ``--as-of-timestamp`` and ``--format``, shared with ``iotlake sql``."""
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--as-of-version", type=int, metavar="N",
+                      help="read every table as of Delta version N")
+    when.add_argument("--as-of-timestamp", metavar="T",
+                      help="read every table as of timestamp T (ISO 8601, e.g. 2024-05-01T12:00:00Z)")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "query", help="run DuckDB SQL over the lakehouse tables",
@@ -45,10 +55,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "their logical names, e.g. SELECT status, count(*) FROM device_current "
                     "GROUP BY status.")
     p.add_argument("sql", help="the SQL query")
-    when = p.add_mutually_exclusive_group()
-    when.add_argument("--as-of-version", type=int, metavar="N",
-                      help="read every table as of Delta version N")
-    when.add_argument("--as-of-timestamp", metavar="T",
-                      help="read every table as of timestamp T (ISO 8601, e.g. 2024-05-01T12:00:00Z)")
-    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    add_read_options(p)
     p.set_defaults(func=_run)

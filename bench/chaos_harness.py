@@ -2,7 +2,7 @@
 
 Shared by ``bench/chaos.py`` (20 kills) and ``tests/test_chaos.py`` (a few kills, a broker
 outage). The harness starts its own Mosquitto and Apache Kafka on their own ports, then each role as
-its own process (``python -m lakehouse.cli run --role bridge|bronze|silver|gold``, settings from
+its own process (``python -m orchestration.cli run --role bridge|bronze|silver|gold``, settings from
 a JSON file written with ``Settings.save``) and a publisher sending known simulated telemetry
 (fixed clock start and seed, so every event id is known; some duplicates, some malformed
 payloads) at a steady rate. At seeded-random moments it ``kill -9``s one role's whole process
@@ -50,8 +50,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from lakehouse.services import free_port
 from lakehouse.settings import Settings, load_settings
+from orchestration.services import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Streaming queries (checkpoint names) each role runs.
@@ -129,7 +129,7 @@ class Role:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "lakehouse.cli", "run", "--role", self.name], env=env,
+                [sys.executable, "-m", "orchestration.cli", "run", "--role", self.name], env=env,
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)  # own process group: kill -9 takes the JVM along
         self.started_at = time.monotonic()
@@ -611,7 +611,8 @@ class Chaos:
 
     # -- brokers --
     def start_broker(self, name: str) -> None:
-        from lakehouse.services import ensure_topics, kafka_service, mosquitto_service
+        from lakehouse.kafka_topics import ensure_topics
+        from orchestration.services import kafka_service, mosquitto_service
 
         s = self.settings
         svc = (kafka_service(s, s.kafka.embedded_port) if name == "kafka"
@@ -657,7 +658,7 @@ class Chaos:
     def compact(self) -> None:
         """Compact every table while the stream roles are working (compaction under load), once
         they committed a few batches since they started: small files to rewrite."""
-        from lakehouse.maintenance import compact
+        from orchestration.maintenance import compact
 
         self._wait_ready([r for r in self.roles.values() if r.name != "bridge"], batches=4)
         # ready() counts commits of all of a role's queries (no-data batches too): also wait for

@@ -124,8 +124,8 @@ def detach_metrics(spark) -> None:
 def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: int = 100,
         stop: threading.Event | None = None) -> int:
     """Run until ``stop`` is set (or a signal arrives); stops the Spark session it used."""
-    from lakehouse.pipeline import LAYERS, Running, check_alive, start_layers
-    from lakehouse.services import embedded_services
+    from orchestration.pipeline import LAYERS, Running, check_alive, start_layers
+    from orchestration.services import embedded_services
 
     stop = stop or threading.Event()
     hurry = threading.Event()
@@ -180,9 +180,9 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
     """Publish ``events`` simulated messages end to end and account for every one of them
     (``stop_spark``: the caller owns the process, so its session is stopped at the end)."""
     from ingest.simulator import generate, publish
-    from lakehouse.pipeline import Running, start_layers
-    from lakehouse.services import embedded_services
     from lakehouse.spark import spark_session
+    from orchestration.pipeline import Running, start_layers
+    from orchestration.services import embedded_services
 
     duplicates = events // 40 if duplicates is None else duplicates
     malformed = events // 100 if malformed is None else malformed

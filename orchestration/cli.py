@@ -15,16 +15,16 @@ from lakehouse.streams import CheckpointBusy
 #: Modules that contribute subcommands (each has ``register(subparsers) -> None``; the
 #: parser it adds sets ``func(args, settings) -> int``).
 COMMAND_MODULES = [
-    "lakehouse.run",
-    "lakehouse.backfill",
-    "lakehouse.reprocess",
-    "lakehouse.maintenance_cli",
+    "orchestration.run",
+    "orchestration.backfill",
+    "orchestration.reprocess",
+    "orchestration.maintenance_cli",
     "silver.cli",
-    "lakehouse.query_cli",
-    "lakehouse.sql_cli",
+    "orchestration.query_cli",
+    "orchestration.sql_cli",
     "dashboard.cli",
     "ingest.cli",
-    "lakehouse.cluster",
+    "orchestration.cluster",
 ]
 
 

@@ -1,21 +1,12 @@
-"""Running on a Spark cluster: ship iotlake's code to executors; throwaway standalone clusters.
-
-Executors unpickle our UDFs and state functions by module name, so they need ``lakehouse``,
-``bronze``, ``silver``, ``gold`` and ``ingest`` importable. When the master is not
-``local[...]``, :func:`ship_packages` zips those packages (plus the expectation suites) and
-adds the zip with ``SparkContext.addPyFile``: nothing has to be installed on the workers
-except the same Python with iotlake's dependencies (``pip install iotlake`` there works too).
+"""Throwaway Spark standalone clusters (scale-out tests and benchmarks) and ``iotlake package``.
 
 :class:`StandaloneCluster` starts one master and N workers from pyspark's own jars (no Spark
-download), for the scale-out tests and benchmarks. The JVM side (delta-spark, Spark's Kafka
-connector, S3A) reaches executors through ``spark.jars``, which the driver serves to them.
+download). Code reaches their executors as on any cluster (:mod:`lakehouse.deploy`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
 import logging
 import os
 import shutil
@@ -25,71 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from lakehouse.services import free_port
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+from lakehouse.deploy import package_zip
+from orchestration.services import free_port
 
 log = logging.getLogger(__name__)
 
-#: Top-level packages executors import (UDFs and state functions live in them).
-PACKAGES = ("lakehouse", "ingest", "bronze", "silver", "gold")
-_ROOT = Path(__file__).resolve().parents[1]
 
-
-def is_local(master: str) -> bool:
-    """``local``, ``local[N]``, ``local[*]``: one JVM, code already importable."""
-    return master.startswith("local")
-
-
-def _sources(root: Path) -> list[Path]:
-    files = [p for pkg in PACKAGES for p in (root / pkg).rglob("*.py") if "__pycache__" not in p.parts]
-    files += sorted((root / "expectations").glob("*.json"))
-    return sorted(files)
-
-
-def package_zip(dest_dir: str | os.PathLike[str] | None = None, root: Path = _ROOT) -> Path:
-    """Zip of iotlake's packages, named by content hash (stale code never runs; built once)."""
-    files = _sources(root)
-    if not files:
-        raise RuntimeError(f"no iotlake packages under {root}")
-    h = hashlib.sha256()
-    for f in files:
-        h.update(str(f.relative_to(root)).encode())
-        h.update(f.read_bytes())
-    dest = Path(dest_dir or Path(tempfile.gettempdir()) / "iotlake-pyfiles")
-    dest.mkdir(parents=True, exist_ok=True)
-    out = dest / f"iotlake-{h.hexdigest()[:16]}.zip"
-    if not out.exists():
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            for f in files:
-                z.write(f, f.relative_to(root).as_posix())
-        tmp.replace(out)
-    return out
-
-
-def ship_packages(spark: SparkSession, dest_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Add the package zip to the session so every executor's Python worker imports from it.
-
-    The packages are imported on the driver first: ``addPyFile`` also puts the zip on the
-    driver's ``sys.path``, and an already-imported package keeps resolving its submodules from
-    the source tree (whose non-Python files, e.g. the expectation suites, stay readable).
-    """
-    for pkg in PACKAGES:
-        importlib.import_module(pkg)
-    z = package_zip(dest_dir)
-    if Path(z).name not in {Path(p).name for p in spark.sparkContext._python_includes or []}:
-        spark.sparkContext.addPyFile(str(z))
-        log.info("shipped %s to executors", z.name)
-    return z
-
-
-# ---- a throwaway standalone cluster (tests, benchmarks) --------------------------------------
 
 def spark_home() -> Path:
     import pyspark
@@ -220,11 +154,7 @@ def cluster_conf(executor_memory: str = "512m", cores_max: int | None = None) ->
 
 def register(sub: argparse._SubParsersAction) -> None:
     """``iotlake package [--out DIR]``: the zip for ``spark-submit --py-files`` (needs
-    ``lakehouse.cluster`` in ``lakehouse.cli.COMMAND_MODULES``)."""
+    ``orchestration.cluster`` in ``orchestration.cli.COMMAND_MODULES``)."""
     p = sub.add_parser("package", help="zip iotlake's packages for Spark executors (--py-files)")
     p.add_argument("--out", default=None, help="directory for the zip (default: a temp dir)")
     p.set_defaults(func=lambda a, _s: (print(package_zip(a.out)), 0)[1])
-
-
-if __name__ == "__main__":  # python -m lakehouse.cluster [DIR]: build the zip for spark-submit
-    print(package_zip(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -12,11 +12,10 @@ import re
 
 import duckdb
 import pyarrow as pa
-import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
 from lakehouse import delta_read
+from lakehouse.delta_read import arrow_dataset
 from lakehouse.settings import Settings
 from lakehouse.tables import SCHEMAS
 
@@ -56,16 +55,6 @@ def open_table(settings: Settings, name: str, as_of_version: int | None = None,
         when = f"version {as_of_version}" if as_of_timestamp is None else f"timestamp {as_of_timestamp!r}"
         raise QueryError(f"table '{name}' has no {when}: {e}") from None
     return dt
-
-
-def arrow_dataset(dt: DeltaTable) -> ds.Dataset:
-    """Lazy Arrow dataset of a table version; local tables are read with Arrow's native file
-    system (delta-rs' default goes through a Python file-system shim)."""
-    uri = dt.table_uri
-    if uri.startswith("file://") or "://" not in uri:
-        root = uri.removeprefix("file://")
-        return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()))
-    return dt.to_pyarrow_dataset()
 
 
 def run_query(settings: Settings, sql: str, as_of_version: int | None = None,

@@ -121,9 +121,9 @@ def caught_up(settings: Settings, layer: str, bronze_version: int | None = None)
 def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
              progress_every: float = 2.0) -> dict[str, int]:
     """Catch the given layers up, upstream first; returns rows processed per layer."""
-    from lakehouse.pipeline import LAYERS, start_layers
     from lakehouse.spark import spark_session
     from lakehouse.streams import lock_checkpoint, release_checkpoints
+    from orchestration.pipeline import LAYERS, start_layers
 
     unknown = [x for x in layers if x not in LAYERS]
     if unknown:

@@ -71,7 +71,7 @@ def plan(settings: Settings, bronze_version: int) -> dict:
 
 
 def _accounting(settings: Settings) -> dict[str, int]:
-    from lakehouse.run import _quality_totals
+    from orchestration.run import _quality_totals
 
     return _quality_totals(settings)
 
@@ -115,8 +115,8 @@ def _build(target: Settings, bronze_version: int) -> None:
     import gold.windows
     import silver.stream
     from lakehouse import storage
-    from lakehouse.backfill import caught_up
     from lakehouse.spark import spark_session
+    from orchestration.backfill import caught_up
 
     storage.configure(target)  # as spark_session would, before reading remote checkpoints' tables
     if caught_up(target, "silver", bronze_version) and caught_up(target, "gold"):
