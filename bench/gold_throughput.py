@@ -169,6 +169,7 @@ def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.
         (wq,), wall, cpu = run([lambda: gold.windows.start(spark, w, "available_now")])
         out["windows"] = rates(wq, wall, cpu) | state_of(wq)
         print("windows", json.dumps(out["windows"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
+    if windows and not args.smoke:  # both at once: a measurement, no code path of its own
         b = fresh(root, f"b{devices}", args.max_files, silver)
         (hq, wq), wall, cpu = run([lambda: gold.health.start(spark, b, "available_now"),
                                    lambda: gold.windows.start(spark, b, "available_now")])

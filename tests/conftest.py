@@ -118,8 +118,10 @@ def spark(base_dir: Path):
 
 # Longest files first (seconds on the 2-core machine): with two xdist workers taking whole
 # files, a long file started last would leave one worker idle while the other finishes it.
-_LONG_FILES = ("test_dags.py", "test_scaleout_roles.py", "test_pipeline.py", "test_scaleout.py",
-               "test_scaleout_s3.py", "test_chaos.py", "test_run_restart.py", "test_backfill.py")
+_LONG_FILES = ("test_bench_processes.py", "test_gold.py", "test_benchmarks.py", "test_dags.py",
+               "test_scaleout_s3.py", "test_chaos.py", "test_silver.py", "test_pipeline.py",
+               "test_scaleout.py", "test_backfill.py", "test_run_restart.py", "test_fuzz.py",
+               "test_query.py", "test_scaleout_roles.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

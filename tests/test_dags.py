@@ -121,12 +121,12 @@ def assert_same_rows(path: str, other: str, keys: list[str]) -> None:
 
 def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Path, spark) -> None:
     """Backfill, reprocess and data quality, run by Airflow with the real ``iotlake`` CLI (each
-    task spawns its own Spark) on a lakehouse built here: bronze v0 processed, v1 not yet."""
+    task spawns its own Spark) on a lakehouse built here: two bronze commits, nothing processed."""
     import gold.windows
     import silver.stream
     from ingest.simulator import generate
     from lakehouse.streams import release_checkpoints
-    from orchestration.backfill import backfill, rows_to_do
+    from orchestration.backfill import rows_to_do
     spark_conf = {"master": "local[2]", "shuffle_partitions": 2}
     lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), spark=spark_conf)
     config = tmp_path / "iotlake.toml"
@@ -140,12 +140,12 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     msgs = generate(lake, 500, devices=5, duplicates=12, malformed=8, rate=100.0,
                     start=today - timedelta(seconds=2))
     write_bronze(lake, msgs[:300])  # bronze v0
-    backfill(lake, ["silver", "gold"])  # in-process, on the session's Spark
-    write_bronze(lake, msgs[300:], first_offset=300)  # bronze v1: not processed yet
-    assert (rows_to_do(lake, "silver"), rows_to_do(lake, "gold")) == (200, 0)
+    write_bronze(lake, msgs[300:], first_offset=300)  # bronze v1
+    assert rows_to_do(lake, "silver") == 500
 
-    # ---- backfill: exactly the missing rows ------------------------------------------------
-    # (that a rerun changes nothing is test_backfill's: the same CLI, without Airflow's ~30 s)
+    # ---- backfill: every row, once -------------------------------------------------------------
+    # (that it takes exactly the missing rows and a rerun changes nothing is test_backfill's:
+    # the same CLI, without Airflow and a Spark process per task)
     _dags_test(env, "iotlake_backfill", {"layers": ["silver", "gold"]})  # bronze reads Kafka: not here
     valid = {m.event_id for m in msgs if m.kind in ("valid", "late")}
     ids = DeltaTable(lake.table_path("silver")).to_pandas().event_id
@@ -155,7 +155,7 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     assert windows["count"].sum() == 3 * len(valid)
     quality = DeltaTable(lake.table_path("quality_log")).to_pandas()
     rows_in = quality[quality.expectation == "rows_in"].details.map(lambda d: json.loads(d)["count"])
-    assert rows_in.sum() == 500  # every bronze row read once, over both runs
+    assert rows_in.sum() == 500  # every bronze row read once
     assert (rows_to_do(lake, "silver"), rows_to_do(lake, "gold")) == (0, 0)
 
     # ---- reprocess as of bronze v0 = a fresh computation over v0 (rerun: test_backfill) -------
