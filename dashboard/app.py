@@ -30,7 +30,6 @@ from fastapi.staticfiles import StaticFiles
 
 from lakehouse.delta_read import arrow_dataset, table_exists
 from lakehouse.settings import Settings
-from lakehouse.tables import METRICS
 
 STATIC = Path(__file__).parent / "static"
 MAX_POINTS = 1500  # raw points per metric sent to the browser (anomalies are always kept)
@@ -139,6 +138,7 @@ class Lake:
 
     def __init__(self, settings: Settings, check_every: float = 1.0) -> None:
         self.tables = TableCache(settings, check_every)
+        self.metrics = [{"name": m.name, "unit": m.unit} for m in settings.telemetry.metrics if m.gold]
         self.memo = Memo()
         self._db = duckdb.connect(config={"threads": 2})
         self._db.execute("SET GLOBAL TimeZone = 'UTC'")
@@ -216,7 +216,7 @@ class Lake:
         gold = read("gold_metrics_1m", "window_start", ["metric", "window_start", "mean", "min", "max"])
         points: dict[str, Any] = {}
         raw = read("readings_scored", "event_time", ["metric", "event_time", "value"])
-        for m in METRICS:
+        for m in (x["name"] for x in self.metrics):
             if gold is not None:
                 g = gold.filter(pc.equal(gold["metric"], m))
                 series[m] = {"t": epoch_ms(g["window_start"]), "mean": floats(g["mean"]),
@@ -232,7 +232,7 @@ class Lake:
             for a, ms in zip(anomalies, epoch_ms(an["event_time"]), strict=True):
                 a["t"] = ms
         return {"device": info, "hours": hours, "since": _json_value(since.as_py()),
-                "series": series, "points": points, "anomalies": anomalies}
+                "metrics": self.metrics, "series": series, "points": points, "anomalies": anomalies}
 
     def events(self, limit: int) -> dict[str, Any]:
         names = ("device_status_history", "anomalies")
@@ -318,7 +318,7 @@ def create_app(settings: Settings, token: str | None = None, check_every: float 
                 page: int = Query(1, ge=1), size: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
         return lake.devices(q, status, page, size)
 
-    @app.get("/api/device/{device_id}", dependencies=guarded)
+    @app.get("/api/device/{device_id:path}", dependencies=guarded)  # ids may hold '/'
     def device(device_id: str, hours: float = Query(6, gt=0, le=24 * 7)) -> dict[str, Any]:
         return lake.device(device_id, hours)
 

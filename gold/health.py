@@ -5,8 +5,9 @@ survives restarts):
 
 - each reading of each metric is scored by the streaming detector in ``gold/anomaly.py``,
   whose state (one per device and metric) lives in the device's state;
-- status per reading: ``degraded`` when battery is low, the device reports an error, or a
-  metric's anomaly score is high (thresholds in settings); else ``online``;
+- status per reading: ``degraded`` when a status rule of the telemetry model fires (e.g. low
+  battery), the device reports its error status, or a metric's anomaly score is high; else
+  ``online``;
 - an event-time timeout fires ``offline_after_seconds`` after the device's last reading once
   the watermark (driven by *other* devices' data) passes it: the device goes ``offline``.
 
@@ -18,7 +19,7 @@ vectorised rules and output columns, its devices' state as arrays) and all its (
 detectors run in one compiled call (``gold.anomaly.score_lanes``). Timeouts stay per
 device and exact: a bucket's timeout is its devices' earliest deadline, and every call also
 times out its devices without data whose deadline is below the watermark (Spark's rule).
-Changing ``STATE_BUCKETS`` or ``DEVICE_STATE`` needs a new checkpoint.
+Changing ``STATE_BUCKETS`` needs a new checkpoint; the gold metrics may change between starts.
 
 Input: silver through Delta's streaming source. Outputs, written by delta-spark exactly once per
 micro-batch (Delta app transaction: query id, batch id): ``readings_scored`` (every scored
@@ -43,16 +44,17 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
 from gold.anomaly import DetectorConfig, initial_rows, score_lanes, state_fields
-from lakehouse.delta_tables import append, ensure_table, upsert
+from lakehouse.delta_tables import add_missing_columns, append, ensure_table, upsert
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import (
     ANOMALIES,
-    DEVICE_CURRENT,
     DEVICE_STATUS_HISTORY,
     METRICS,
     READINGS_SCORED,
+    device_current_schema,
 )
+from lakehouse.telemetry import TelemetryModel
 
 QUERY = "gold_health"
 #: Fixed per checkpoint; also the most shuffle partitions the stream can use. More buckets:
@@ -64,30 +66,40 @@ STATE_BUCKETS = 64
 # One row per reading (kind "reading", its metrics side by side: a third of the rows of one row
 # per metric, which the JVM and both Arrow conversions pay per row), per status change
 # ("status") and per device seen ("current"); HealthBatch unpivots readings per metric.
-OUT_SCHEMA = ", ".join([
-    "kind string, device_id string, event_id string, event_time timestamp",
-    *(f"{m} double, {m}_score double, {m}_baseline double, {m}_anomaly boolean" for m in METRICS),
-    "status string, previous_status string, reason string, status_since timestamp, "
-    "last_seen timestamp, anomaly_score double",
-])
-_OUT_TYPES = dict(c.split() for c in OUT_SCHEMA.split(", "))
+def out_schema(metrics: tuple[str, ...]) -> str:
+    return ", ".join([
+        "kind string, device_id string, event_id string, event_time timestamp",
+        *(f"{m} double, {m}_score double, {m}_baseline double, {m}_anomaly boolean" for m in metrics),
+        "status string, previous_status string, reason string, status_since timestamp, "
+        "last_seen timestamp, anomaly_score double",
+    ])
+
+
+#: For the default telemetry model (the stream builds its own from ``settings.telemetry``).
+OUT_SCHEMA = out_schema(METRICS)
 _NAT = np.iinfo(np.int64).min  # timestamps are carried as int64 ns, NaT = null
 
 # A bucket's state: one row per device, as an LZ4-compressed Arrow IPC stream in base64 text.
 # Text, not binary: pyspark hands a binary state to Python through the JVM's pickler, which
 # builds it byte by byte (a sixth of the JVM's CPU at 10k devices); ASCII is copied in bulk.
+# The Arrow schema inside the blob follows the model's gold metrics: a metric added to the model
+# starts with no value and a fresh detector, one removed is dropped (no new checkpoint).
 STATE_SCHEMA = "devices string"
-DEVICE_STATE = pa.schema([
-    ("device_id", pa.string()), ("status", pa.string()),
-    ("status_since", pa.int64()), ("last_seen", pa.int64()), ("timeout_at", pa.int64()),  # ms
-    *[(m, pa.float64()) for m in METRICS], ("anomaly_score", pa.float64()),
-    # detector states as packed float64 bytes: pyspark 4.3 workers cannot parse array<double>
-    # inside an applyInPandasWithState state schema
-    *[(f"det_{m}", pa.binary()) for m in METRICS],
-])
+
+
+def device_state_schema(metrics: tuple[str, ...]) -> pa.Schema:
+    return pa.schema([
+        ("device_id", pa.string()), ("status", pa.string()),
+        ("status_since", pa.int64()), ("last_seen", pa.int64()), ("timeout_at", pa.int64()),  # ms
+        *[(m, pa.float64()) for m in metrics], ("anomaly_score", pa.float64()),
+        # detector states as packed float64 bytes: pyspark 4.3 workers cannot parse array<double>
+        # inside an applyInPandasWithState state schema
+        *[(f"det_{m}", pa.binary()) for m in metrics],
+    ])
+
+
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
 _NONE = np.iinfo(np.int64).min  # a missing epoch-ms time in a Bucket's int64 columns
-_K = len(METRICS)
 
 
 @dataclass(slots=True)
@@ -105,20 +117,20 @@ class Bucket:
     det_set: np.ndarray  # [metrics, devices] bool: a detector state exists
 
     @classmethod
-    def empty(cls, state_len: int) -> Bucket:
+    def empty(cls, state_len: int, k: int) -> Bucket:
         def z() -> np.ndarray:
             return np.zeros(0, dtype=np.int64)
 
         return cls(np.zeros(0, dtype=object), np.zeros(0, dtype=object), z(), z(), z(),
-                   np.zeros((0, _K)), np.zeros(0), np.zeros((_K, 0, state_len)),
-                   np.zeros((_K, 0), dtype=bool))
+                   np.zeros((0, k)), np.zeros(0), np.zeros((k, 0, state_len)),
+                   np.zeros((k, 0), dtype=bool))
 
     def index(self, names: np.ndarray) -> np.ndarray:
         """Positions of ``names``, appending the devices not seen before (in that order)."""
         pos = pd.Index(self.ids).get_indexer(names) if len(self.ids) else np.full(len(names), -1)
         new = pos < 0
         if new.any():
-            k, n0 = int(new.sum()), len(self.ids)
+            k, n0, n_metrics = int(new.sum()), len(self.ids), self.values.shape[1]
             pos[new] = np.arange(n0, n0 + k)
             none = np.full(k, _NONE, dtype=np.int64)
             self.ids = np.concatenate([self.ids, names[new]])
@@ -126,10 +138,10 @@ class Bucket:
             self.status_since = np.concatenate([self.status_since, none])
             self.last_seen = np.concatenate([self.last_seen, none])
             self.timeout_at = np.concatenate([self.timeout_at, none])
-            self.values = np.concatenate([self.values, np.full((k, _K), np.nan)])
+            self.values = np.concatenate([self.values, np.full((k, n_metrics), np.nan)])
             self.anomaly_score = np.concatenate([self.anomaly_score, np.full(k, np.nan)])
-            self.dets = np.concatenate([self.dets, np.zeros((_K, k, self.dets.shape[2]))], axis=1)
-            self.det_set = np.concatenate([self.det_set, np.zeros((_K, k), dtype=bool)], axis=1)
+            self.dets = np.concatenate([self.dets, np.zeros((n_metrics, k, self.dets.shape[2]))], axis=1)
+            self.det_set = np.concatenate([self.det_set, np.zeros((n_metrics, k), dtype=bool)], axis=1)
         return pos
 
 
@@ -152,12 +164,16 @@ def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
                                  null_count=int((~present).sum()))
 
 
-def load_devices(blob: str, state_len: int) -> Bucket:
+def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS) -> Bucket:
     """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
     t = pa.ipc.open_stream(base64.b64decode(blob)).read_all()
-    n = t.num_rows
-    dets, det_set = np.zeros((_K, n, state_len)), np.zeros((_K, n), dtype=bool)
-    for i, m in enumerate(METRICS):
+    n, k = t.num_rows, len(metrics)
+    dets, det_set = np.zeros((k, n, state_len)), np.zeros((k, n), dtype=bool)
+    values = np.full((n, k), np.nan)
+    for i, m in enumerate(metrics):
+        if m not in t.column_names:  # added to the model since this state was written
+            continue
+        values[:, i] = t.column(m).to_numpy(zero_copy_only=False)
         col = t.column(f"det_{m}")
         det_set[i] = pc.is_valid(col).to_numpy(zero_copy_only=False)
         packed = b"".join(col.drop_null().to_pylist())
@@ -170,22 +186,23 @@ def load_devices(blob: str, state_len: int) -> Bucket:
         t.column("device_id").to_numpy(zero_copy_only=False),
         t.column("status").to_numpy(zero_copy_only=False).astype(object),
         ints("status_since"), ints("last_seen"), ints("timeout_at"),
-        np.stack([t.column(m).to_numpy(zero_copy_only=False) for m in METRICS], axis=1)
-        .astype(np.float64),
+        values,
         t.column("anomaly_score").to_numpy(zero_copy_only=False).astype(np.float64),
         dets, det_set)
 
 
-def dump_devices(b: Bucket) -> str:
+def dump_devices(b: Bucket, metrics: tuple[str, ...] = METRICS) -> str:
     """Inverse of :func:`load_devices`."""
+    schema = device_state_schema(metrics)
+    k = len(metrics)
     table = pa.table([
         pa.array(b.ids, pa.string()), pa.array(b.status, pa.string()),
         _ints(b.status_since), _ints(b.last_seen), _ints(b.timeout_at),
-        *[_floats(b.values[:, i]) for i in range(_K)], _floats(b.anomaly_score),
-        *[_packed(b.dets[i], b.det_set[i]) for i in range(_K)],
-    ], schema=DEVICE_STATE)
+        *[_floats(b.values[:, i]) for i in range(k)], _floats(b.anomaly_score),
+        *[_packed(b.dets[i], b.det_set[i]) for i in range(k)],
+    ], schema=schema)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, DEVICE_STATE, options=_IPC_OPTIONS) as w:
+    with pa.ipc.new_stream(sink, schema, options=_IPC_OPTIONS) as w:
         w.write_table(table)
     return base64.b64encode(sink.getvalue()).decode("ascii")
 
@@ -193,8 +210,9 @@ def dump_devices(b: Bucket) -> str:
 class Rows:
     """Output rows collected as column parts; one pandas frame per call (no per-row dicts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, out_types: dict[str, str]) -> None:
         self.parts: list[tuple[int, dict]] = []
+        self.out_types = out_types
 
     def add(self, n: int, **cols: object) -> None:
         if n:
@@ -203,7 +221,7 @@ class Rows:
     def frame(self) -> pd.DataFrame:
         total = sum(n for n, _ in self.parts)
         data = {}
-        for c, typ in _OUT_TYPES.items():
+        for c, typ in self.out_types.items():
             if typ == "double":
                 col = np.full(total, np.nan)
             elif typ == "timestamp":
@@ -219,21 +237,53 @@ class Rows:
         return pd.DataFrame(data)
 
 
-def health_fn(gold: GoldSettings):
+@dataclass(frozen=True)
+class Rules:
+    """What makes a device degraded, from the telemetry model: one row per status rule."""
+
+    metrics: tuple[str, ...]  # the gold metrics, in state order
+    rule_metric: np.ndarray  # index into metrics, per rule
+    below: np.ndarray  # float, NaN = no bound
+    above: np.ndarray
+    names: tuple[str, ...]  # rule reasons, then "error", "anomaly"
+    error_status: str
+
+    @classmethod
+    def of(cls, model: TelemetryModel) -> Rules:
+        metrics = model.gold_metrics
+        r = model.status_rules
+        return cls(metrics, np.array([metrics.index(x.metric) for x in r], dtype=np.int64),
+                   np.array([np.nan if x.below is None else x.below for x in r], dtype=float),
+                   np.array([np.nan if x.above is None else x.above for x in r], dtype=float),
+                   (*(x.reason for x in r), "error", "anomaly"), model.error_status)
+
+    def reasons(self, fired: np.ndarray) -> np.ndarray:
+        """Comma-joined reasons per column of ``fired`` ([rules + 2, n] bool); "data" if none."""
+        codes = (fired.astype(np.int64) << np.arange(len(self.names))[:, None]).sum(axis=0)
+        names = {c: ",".join(n for j, n in enumerate(self.names) if c >> j & 1) or "data"
+                 for c in np.unique(codes).tolist()}
+        return np.array([names[c] for c in codes.tolist()], dtype=object)
+
+
+def health_fn(gold: GoldSettings, model: TelemetryModel | None = None):
     """The per-bucket state function (a closure over the rules, shipped to executors)."""
     cfg = DetectorConfig(threshold=gold.anomaly_threshold)
     state_len = len(state_fields(cfg))
     timeout_ms = gold.offline_after_seconds * 1000
+    rules = Rules.of(model or TelemetryModel())
+    metrics = rules.metrics
+    out_types = dict(c.split() for c in out_schema(metrics).split(", "))
 
     def fn(key: tuple, pdfs: Iterator[pd.DataFrame], state: GroupState) -> Iterator[pd.DataFrame]:
-        devs = load_devices(state.get[0], state_len) if state.exists else Bucket.empty(state_len)
-        out = Rows()
+        devs = (load_devices(state.get[0], state_len, metrics) if state.exists
+                else Bucket.empty(state_len, len(metrics)))
+        out = Rows(out_types)
         touched = np.zeros(0, dtype=np.int64)
         if not state.hasTimedOut:
             frames = [p for p in pdfs if len(p)]
             if frames:
                 pdf = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
-                touched = score_readings(pdf, devs, out, cfg, gold, timeout_ms)
+                touched = score_readings(pdf, devs, out, cfg, gold, timeout_ms, rules)
         wm = state.getCurrentWatermarkMs()
         quiet = np.ones(len(devs.ids), dtype=bool)
         quiet[touched] = False
@@ -248,9 +298,9 @@ def health_fn(gold: GoldSettings):
         cur = np.concatenate([touched, timed_out])
         out.add(len(cur), kind="current", device_id=devs.ids[cur], status=devs.status[cur],
                 status_since=_ns(devs.status_since[cur]), last_seen=_ns(devs.last_seen[cur]),
-                **{m: devs.values[cur, i] for i, m in enumerate(METRICS)},
+                **{m: devs.values[cur, i] for i, m in enumerate(metrics)},
                 anomaly_score=devs.anomaly_score[cur])
-        state.update((dump_devices(devs),))
+        state.update((dump_devices(devs, metrics),))
         pending = devs.timeout_at[devs.timeout_at != _NONE]
         if pending.size:
             state.setTimeoutTimestamp(int(pending.min()))
@@ -271,13 +321,8 @@ def _initial_det(cfg: DetectorConfig) -> np.ndarray:
     return initial_rows(1, cfg)[0]
 
 
-#: Status reasons by ``battery_low * 4 + error * 2 + anomaly``.
-_REASONS = np.array([",".join(r for r, bit in (("battery_low", 4), ("error", 2), ("anomaly", 1))
-                              if code & bit) or "data" for code in range(8)], dtype=object)
-
-
 def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConfig,
-                   gold: GoldSettings, timeout_ms: int) -> np.ndarray:
+                   gold: GoldSettings, timeout_ms: int, rules: Rules) -> np.ndarray:
     """Score one bucket's readings per device in event-time order; returns the devices' positions."""
     codes, names = pd.factorize(pdf["device_id"].to_numpy(dtype=object))
     t_raw = pdf["event_time"].to_numpy(dtype="datetime64[ns]").view(np.int64)
@@ -288,45 +333,51 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     ends = np.r_[starts[1:], n]
     ms = t_ns // 1_000_000
     t_sec = ms / 1000.0
-    vals = np.stack([pdf[m].to_numpy(dtype=float)[order] for m in METRICS])
+    metrics = rules.metrics
+    k = len(metrics)
+    vals = np.stack([pdf[m].to_numpy(dtype=float)[order] for m in metrics])
     pos = devs.index(np.asarray(names, dtype=object)[codes[starts]])
 
     # one detector lane per (metric, device): every lane of the bucket in one compiled call
     n_dev = len(starts)
     present = ~np.isnan(vals)
     rows = np.where(devs.det_set[:, pos, None], devs.dets[:, pos], _initial_det(cfg))
-    offsets = np.r_[(starts + n * np.arange(_K)[:, None]).ravel(), _K * n]
-    s, bl, f, nb, new_rows = score_lanes(vals.ravel(), np.tile(t_sec, _K), offsets,
-                                         rows.reshape(_K * n_dev, -1), cfg)
-    scores, base, flags = s.reshape(_K, n), bl.reshape(_K, n), f.reshape(_K, n)
+    offsets = np.r_[(starts + n * np.arange(k)[:, None]).ravel(), k * n]
+    s, bl, f, nb, new_rows = score_lanes(vals.ravel(), np.tile(t_sec, k), offsets,
+                                         rows.reshape(k * n_dev, -1), cfg)
+    scores, base, flags = s.reshape(k, n), bl.reshape(k, n), f.reshape(k, n)
     # a metric without readings keeps its state (and a never-seen one stays unset)
     seen = np.add.reduceat(present, starts, axis=1) > 0
-    new_rows = new_rows.reshape(_K, n_dev, -1)
-    for i in range(_K):
+    new_rows = new_rows.reshape(k, n_dev, -1)
+    for i in range(k):
         devs.dets[i, pos[seen[i]]] = new_rows[i, seen[i]]
         devs.det_set[i, pos[seen[i]]] = True
 
-    warm = nb.reshape(_K, n) + 1 > cfg.warmup  # no status from warm-up scores
+    warm = nb.reshape(k, n) + 1 > cfg.warmup  # no status from warm-up scores
     max_score = np.where(warm, scores, 0.0).max(axis=0)
 
     dev_col = names[codes]
     idx = np.flatnonzero(present.any(axis=0))
     out.add(len(idx), kind="reading", device_id=dev_col[idx],
             event_id=pdf["event_id"].to_numpy(dtype=object)[order][idx], event_time=t_ns[idx],
-            **{k: v for i, m in enumerate(METRICS) for k, v in (
+            **{c: v for i, m in enumerate(metrics) for c, v in (
                 (m, vals[i, idx]), (f"{m}_score", scores[i, idx]), (f"{m}_baseline", base[i, idx]),
                 (f"{m}_anomaly", flags[i, idx]))})
 
-    batt_low = vals[METRICS.index("battery")] < gold.battery_low
-    err = pdf["status"].to_numpy(dtype=object)[order] == "error"
+    with np.errstate(invalid="ignore"):  # NaN (no value) fires no rule
+        rv = vals[rules.rule_metric]  # [rules, n]
+        fired = (rv < rules.below[:, None]) | (rv > rules.above[:, None])
+    err = (pdf["status"].to_numpy(dtype=object)[order] == rules.error_status) if rules.error_status \
+        else np.zeros(n, dtype=bool)
     anom = max_score >= gold.anomaly_score_high
-    new = np.where(batt_low | err | anom, "degraded", "online").astype(object)
+    fired = np.vstack([fired, err, anom])
+    new = np.where(fired.any(axis=0), "degraded", "online").astype(object)
     prev_status = np.empty(n, dtype=object)
     prev_status[1:] = new[:-1]
     prev_status[starts] = devs.status[pos]
     is_change = new != prev_status
     changed = np.flatnonzero(is_change)
-    reasons = _REASONS[batt_low[changed] * 4 + err[changed] * 2 + anom[changed]]
+    reasons = rules.reasons(fired[:, changed])
     out.add(len(changed), kind="status", device_id=dev_col[changed], status=new[changed],
             previous_status=prev_status[changed], reason=reasons, event_time=t_ns[changed])
 
@@ -342,17 +393,20 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     return pos
 
 
-#: The silver columns the health stream reads.
-HEALTH_INPUT = ["device_id", "event_id", "event_time", *METRICS, "status"]
+def health_input(model: TelemetryModel) -> list[str]:
+    """The silver columns the health stream reads."""
+    return ["device_id", "event_id", "event_time", *model.gold_metrics, "status"]
 
 
 def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
+    model = settings.telemetry
     return (
-        silver.select(*HEALTH_INPUT)
+        silver.select(*health_input(model))
         .withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
         .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(STATE_BUCKETS)))
         .groupBy("bucket")
-        .applyInPandasWithState(health_fn(settings.gold), OUT_SCHEMA, STATE_SCHEMA, "append",
+        .applyInPandasWithState(health_fn(settings.gold, model), out_schema(model.gold_metrics),
+                                STATE_SCHEMA, "append",
                                 GroupStateTimeout.EventTimeTimeout)
     )
 
@@ -364,10 +418,13 @@ class HealthBatch:
     per batch (its state store commits), while four writes read it.
     """
 
-    def __init__(self, settings: Settings, app_id: str) -> None:
+    def __init__(self, settings: Settings, app_id: str, current_columns: list[str] | None = None) -> None:
         self.paths = {t: settings.table_path(t) for t in
                       ("readings_scored", "anomalies", "device_status_history", "device_current")}
         self.app_id = app_id
+        self.metrics = settings.telemetry.gold_metrics
+        # device_current's columns: the model's, and those of metrics removed from it since
+        self.current_columns = current_columns or device_current_schema(settings.telemetry).names
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         df = df.persist()
@@ -378,15 +435,16 @@ class HealthBatch:
 
     def write(self, out: DataFrame, batch_id: int) -> None:
         kind = F.col("kind")
-        flagged = F.exists(F.array(*[F.col(m).isNotNull() & F.col(f"{m}_anomaly") for m in METRICS]),
+        flagged = F.exists(F.array(*[F.col(m).isNotNull() & F.col(f"{m}_anomaly") for m in self.metrics]),
                            lambda x: x)
         n = out.agg(*[F.count_if(kind == k).alias(k) for k in ("reading", "status", "current")],
                     F.count_if((kind == "reading") & flagged).alias("anomaly")).first()
-        rs = readings_scored(out.where(kind == "reading"))
+        rs = readings_scored(out.where(kind == "reading"), self.metrics)
         hist = (out.where(kind == "status").withColumnRenamed("event_time", "changed_at")
                 .select(*DEVICE_STATUS_HISTORY.names))
-        cur = (out.where(kind == "current").withColumn("updated_at", F.current_timestamp())
-               .select(*DEVICE_CURRENT.names))
+        cur = out.where(kind == "current").withColumn("updated_at", F.current_timestamp())
+        cur = cur.select(*[c if c in cur.columns else F.lit(None).cast("double").alias(c)
+                           for c in self.current_columns])
         for name, data, rows in (("readings_scored", rs, n["reading"]),
                                  ("anomalies", rs.where("is_anomaly"), n["anomaly"]),
                                  ("device_status_history", hist, n["status"])):
@@ -396,12 +454,12 @@ class HealthBatch:
             upsert(cur, self.paths["device_current"], ["device_id"], self.app_id, batch_id)
 
 
-def readings_scored(readings: DataFrame) -> DataFrame:
+def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:
     """Unpivot the state function's reading rows: one row per present metric."""
     per_metric = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).alias("value"),
                                     F.col(f"{m}_score").alias("score"),
                                     F.col(f"{m}_baseline").alias("baseline"),
-                                    F.col(f"{m}_anomaly").alias("is_anomaly")) for m in METRICS])
+                                    F.col(f"{m}_anomaly").alias("is_anomaly")) for m in metrics])
     return (readings.select("event_id", "device_id", "event_time", F.explode(per_metric).alias("r"))
             .select("event_id", "device_id", "event_time", "r.*")
             .where(F.col("value").isNotNull()))
@@ -411,14 +469,19 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     from gold.windows import silver_stream
 
     ckpt = settings.checkpoint_path(QUERY)
+    current = device_current_schema(settings.telemetry)
     for name, schema in (("readings_scored", READINGS_SCORED), ("anomalies", ANOMALIES),
                          ("device_status_history", DEVICE_STATUS_HISTORY),
-                         ("device_current", DEVICE_CURRENT)):
+                         ("device_current", current)):
         ensure_table(spark, settings.table_path(name), schema)
+    current_path = settings.table_path("device_current")
+    add_missing_columns(spark, current_path, current)  # a gold metric added to the model
+    current_columns = spark.read.format("delta").load(current_path).columns
     writer = (
-        health_frame(silver_stream(spark, settings, columns=HEALTH_INPUT), settings).writeStream
+        health_frame(silver_stream(spark, settings, columns=health_input(settings.telemetry)),
+                     settings).writeStream
         .queryName(QUERY).outputMode("append")
-        .foreachBatch(HealthBatch(settings, query_id(ckpt)))
+        .foreachBatch(HealthBatch(settings, query_id(ckpt), current_columns))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
     )

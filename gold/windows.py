@@ -43,13 +43,14 @@ FINAL_TABLE = "gold_metrics_1m_final"
 SLIDING_FINAL_TABLE = "gold_metrics_5m_final"
 KEYS = ["device_id", "metric", "window_start"]
 COLUMNS = METRIC_WINDOWS.names
-#: The silver columns the window stream reads.
+#: The silver columns the window stream reads, for the default telemetry model.
 WINDOW_INPUT = ["device_id", "event_time", *METRICS]
 
 
-def readings_long(silver: DataFrame) -> DataFrame:
-    """One row per (reading, metric) with a non-null value."""
-    pairs = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).cast("double").alias("value")) for m in METRICS])
+def readings_long(silver: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:
+    """One row per (reading, metric) with a non-null value; the state is keyed by metric, so a
+    metric added to the model needs no new checkpoint."""
+    pairs = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).cast("double").alias("value")) for m in metrics])
     return (
         silver.select("device_id", "event_time", F.explode(pairs).alias("p"))
         .select("device_id", "event_time", "p.metric", "p.value")
@@ -58,11 +59,11 @@ def readings_long(silver: DataFrame) -> DataFrame:
 
 
 def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds: int,
-                      slide_seconds: int | None = None) -> DataFrame:
+                      slide_seconds: int | None = None, metrics: tuple[str, ...] = METRICS) -> DataFrame:
     w = F.window("event_time", f"{window_seconds} seconds",
                  f"{slide_seconds} seconds" if slide_seconds else None)
     return (
-        readings_long(silver)
+        readings_long(silver, metrics)
         .withWatermark("event_time", f"{watermark_seconds} seconds")
         .groupBy("device_id", "metric", w.alias("w"))
         .agg(
@@ -210,8 +211,10 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     for name in (TABLE, SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
         ensure_table(spark, settings.table_path(name), METRIC_WINDOWS)
     batch = MergeBatch(settings, query_id(ckpt), ckpt)
-    agg = window_aggregates(silver_stream(spark, settings, columns=WINDOW_INPUT),
-                            settings.stream.window_seconds, settings.stream.watermark_seconds)
+    metrics = settings.telemetry.gold_metrics
+    agg = window_aggregates(silver_stream(spark, settings, columns=["device_id", "event_time", *metrics]),
+                            settings.stream.window_seconds, settings.stream.watermark_seconds,
+                            metrics=metrics)
     writer = (
         agg.writeStream.queryName(TABLE).outputMode("update")
         .foreachBatch(batch)

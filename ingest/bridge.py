@@ -84,8 +84,11 @@ class _Entry:
         b._ack_due = True  # acked in one write after this poll round (_poll)
 
 
-def device_index(topic_filter: str) -> int | None:
-    """Topic level holding the device id: the (last) ``+`` of the subscription filter."""
+def device_index(topic_filter: str, pattern_level: int | None = None) -> int | None:
+    """Topic level holding the device id: the telemetry model's ``{device_id}`` level, else the
+    (last) ``+`` of the subscription filter."""
+    if pattern_level is not None:
+        return pattern_level
     levels = topic_filter.split("/")
     plus = [i for i, lv in enumerate(levels) if lv == "+"]
     return plus[-1] if plus else None
@@ -113,7 +116,7 @@ class Bridge:
         self._routes: dict[str, str | None] = {}
         self._default_topic = settings.kafka.topic
         self._dlq_topic = settings.kafka.dead_letter_topic
-        self._dev_level = device_index(settings.mqtt.topic_filter)
+        self._dev_level = device_index(settings.mqtt.topic_filter, settings.telemetry.device_level)
         flt = settings.mqtt.topic_filter
         self.subscription = f"$share/{b.share_group}/{flt}" if b.instances > 1 else flt
         self._pending: deque[_Entry] = deque()

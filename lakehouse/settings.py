@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from lakehouse.storage import is_uri
+from lakehouse.telemetry import TelemetryModel
 
 ENV_PREFIX = "IOTLAKE_"
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
@@ -208,7 +209,6 @@ class GoldSettings(_Section):
     """Device status rules and anomaly scoring (one configuration for every device)."""
 
     offline_after_seconds: int = Field(120, ge=1)
-    battery_low: float = Field(15.0, ge=0, le=100)
     anomaly_score_high: float = Field(0.9, gt=0, le=1)
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
     slide_window_seconds: int = Field(300, ge=60)
@@ -258,6 +258,7 @@ class Settings(_Section):
     gold: GoldSettings = Field(default_factory=GoldSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    telemetry: TelemetryModel = Field(default_factory=TelemetryModel)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     _pinned: str | None = PrivateAttr(default=None)
 
@@ -271,6 +272,14 @@ class Settings(_Section):
                                  "(any S3-compatible store) or a local path")
             return v.rstrip("/")
         return v
+
+    @model_validator(mode="after")
+    def _subscribe_to_the_model(self) -> Settings:
+        """The bridge subscribes to what the telemetry model's topic pattern names, unless
+        ``mqtt.topic_filter`` is set explicitly."""
+        if "topic_filter" not in self.mqtt.model_fields_set:
+            self.mqtt.topic_filter = self.telemetry.topic_filter
+        return self
 
     @model_validator(mode="after")
     def _checkpoints_on_a_filesystem(self) -> Settings:

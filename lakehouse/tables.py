@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from lakehouse.telemetry import TelemetryModel
+
 TS = pa.timestamp("us", tz="UTC")
 _HEADERS = pa.list_(pa.field("element", pa.struct([("key", pa.string()), ("value", pa.binary())])))
 
-#: Metrics a telemetry payload carries (numeric, per device).
-METRICS = ("temperature", "humidity", "battery")
+#: The default telemetry model's metrics (the bundled simulator's sensor). Code that serves any
+#: fleet takes them from ``settings.telemetry`` instead.
+METRICS = TelemetryModel().metric_names
 
 BRONZE = pa.schema([
     ("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
@@ -20,13 +23,23 @@ BRONZE = pa.schema([
     ("headers", _HEADERS), ("ingest_time", TS),
 ])
 
-SILVER = pa.schema([
-    ("event_id", pa.string()), ("device_id", pa.string()), ("event_time", TS),
-    ("temperature", pa.float64()), ("humidity", pa.float64()), ("battery", pa.float64()),
-    ("status", pa.string()), ("schema_version", pa.int32()),
-    ("extra", pa.string()),  # unknown payload fields, as JSON (additive schema evolution)
-    ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()), ("ingest_time", TS),
-])
+_METRIC_TYPES = {"double": pa.float64(), "long": pa.int64()}
+
+
+def silver_schema(model: TelemetryModel) -> pa.Schema:
+    """Silver's columns for a telemetry model: one typed column per declared metric and one
+    string column per named topic part, between the identity and the bookkeeping columns."""
+    return pa.schema([
+        ("event_id", pa.string()), ("device_id", pa.string()), ("event_time", TS),
+        *[(m.name, _METRIC_TYPES[m.type]) for m in model.metrics],
+        *[(c, pa.string()) for c in model.topic_columns],
+        ("status", pa.string()), ("schema_version", pa.int32()),
+        ("extra", pa.string()),  # top-level payload fields the model does not read, as JSON
+        ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()), ("ingest_time", TS),
+    ])
+
+
+SILVER = silver_schema(TelemetryModel())
 
 QUARANTINE = pa.schema([
     ("reason", pa.string()),  # comma-separated: parse reasons or failed expectation names
@@ -44,11 +57,16 @@ METRIC_WINDOWS = pa.schema([
     ("stddev", pa.float64()), ("last", pa.float64()),
 ])
 
-DEVICE_CURRENT = pa.schema([
-    ("device_id", pa.string()), ("status", pa.string()), ("status_since", TS),
-    ("last_seen", TS), ("temperature", pa.float64()), ("humidity", pa.float64()),
-    ("battery", pa.float64()), ("anomaly_score", pa.float64()), ("updated_at", TS),
-])
+def device_current_schema(model: TelemetryModel) -> pa.Schema:
+    """``device_current``: each device's status and its latest value of every gold metric."""
+    return pa.schema([
+        ("device_id", pa.string()), ("status", pa.string()), ("status_since", TS),
+        ("last_seen", TS), *[(m, pa.float64()) for m in model.gold_metrics],
+        ("anomaly_score", pa.float64()), ("updated_at", TS),
+    ])
+
+
+DEVICE_CURRENT = device_current_schema(TelemetryModel())
 
 DEVICE_STATUS_HISTORY = pa.schema([
     ("device_id", pa.string()), ("status", pa.string()), ("previous_status", pa.string()),

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "orchestration.reprocess",
     "orchestration.maintenance_cli",
     "silver.cli",
+    "silver.default_suite",
     "orchestration.query_cli",
     "orchestration.sql_cli",
     "dashboard.cli",

@@ -1,9 +1,14 @@
-"""Parse raw bronze payloads into the typed, versioned telemetry schema.
+"""Parse raw bronze payloads into silver's typed columns, as the telemetry model says.
 
-Version 1 of the payload: ``schema_version, device_id, event_id, ts`` (ISO-8601 event time) and
-numeric metrics. Unknown fields are kept as JSON in ``extra`` (additive schema evolution), so a
-device that sends a new field never fails. Parse problems become reasons, not exceptions: the
-row is routed to quarantine with them.
+Each field is read from its path in the JSON payload (``lakehouse.telemetry``): the top-level
+object is parsed once into a map, and a nested field is read from its top-level member with a
+JSON path. Top-level fields the model does not read are kept as JSON in ``extra``, so a device
+that sends a new field never fails. Parse problems become reasons, not exceptions: the row is
+routed to quarantine with them.
+
+The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
+matched against ``telemetry.topic_pattern``), or from both: when both name a device and they
+differ, the reading is quarantined with ``device_mismatch`` unless the model trusts the topic.
 """
 
 from __future__ import annotations
@@ -12,67 +17,165 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import MapType, StringType
 
-from lakehouse.tables import METRICS
+from lakehouse.telemetry import TelemetryModel
 
 SCHEMA_VERSION = 1
-KNOWN_FIELDS = ("schema_version", "device_id", "event_id", "ts", *METRICS, "status")
 _PAYLOAD = MapType(StringType(), StringType())
-#: Every parse reason with the payload field it checks; the quality log counts each per batch.
-#: ``not_json`` is checked on every row, the others only on rows that are JSON objects.
-PARSE_CHECKS: tuple[tuple[str, str], ...] = (
-    ("not_json", "value"), ("missing_event_id", "event_id"), ("missing_ts", "ts"), ("bad_ts", "ts"),
-    *((f"wrong_type:{c}", c) for c in (*METRICS, "schema_version")),
-)
+_DEFAULT = TelemetryModel()
+
+
+def parse_checks(model: TelemetryModel = _DEFAULT) -> tuple[tuple[str, str], ...]:
+    """Every parse reason with the payload field it checks; the quality log counts each per
+    batch. ``not_json`` is checked on every row, the others only on rows that are JSON objects."""
+    checks = [("not_json", "value"), ("missing_event_id", model.event_id_path or "event_id"),
+              ("missing_ts", model.event_time_path), ("bad_ts", model.event_time_path)]
+    if model.device_id_path and model.device_level is not None:
+        checks.append(("device_mismatch", model.device_id_path))
+    checks += [(f"wrong_type:{m.name}", m.source) for m in model.metrics]
+    if model.schema_version_path:
+        checks.append(("wrong_type:schema_version", model.schema_version_path))
+    return tuple(checks)
+
+
+#: The default model's checks (the bundled simulator's payloads).
+PARSE_CHECKS = parse_checks()
 
 
 def _nonempty(c: Column) -> Column:
     return c.isNotNull() & (F.length(F.trim(c)) > 0)
 
 
-def parse(bronze: DataFrame) -> DataFrame:
+def field(path: str) -> Column:
+    """A payload field as a string (JSON text for objects and arrays; null when absent)."""
+    top, *rest = path.split(".")
+    c = F.col("_m")[top]
+    if rest:
+        c = F.get_json_object(c, "$" + "".join(f"['{s}']" for s in rest))
+    return c
+
+
+def _epoch_number(raw: Column) -> Column:
+    # JSON numbers reach the payload map as their JSON text, e.g. 1.7640719405E9
+    return F.when(raw.rlike(r"^\d+(\.\d+)?([eE][+-]?\d+)?$"), raw.try_cast("double"))
+
+
+def _event_time(number: Column, fmt: str) -> Column:
+    # each unit only within its own range (no overflow; years 1970 to ~5000)
+    seconds = F.when(number < 1e11, F.timestamp_seconds(number))
+    millis = F.when(number < 1e14, F.timestamp_micros((number * 1000).cast("long")))
+    micros = F.when(number < 1e17, F.timestamp_micros(number.cast("long")))
+    iso = F.expr("try_to_timestamp(_raw_ts)")
+    if fmt == "iso8601":
+        return iso
+    if fmt == "epoch_s":
+        return seconds
+    if fmt == "epoch_ms":
+        return millis
+    if fmt == "epoch_us":
+        return micros
+    # auto: ISO-8601, or an epoch number whose magnitude tells its unit (from 1973 on: below
+    # 1e11 seconds, below 1e14 milliseconds, below 1e17 microseconds)
+    return F.coalesce(iso, F.when(number < 1e11, seconds).when(number < 1e14, millis).otherwise(micros))
+
+
+def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column]]:
+    """(device id, {topic part: value}) from the bridge's ``mqtt_topic`` header (the first header
+    it writes), matched against the model's topic pattern; nulls when the record has no such
+    header or its topic does not match."""
+    from lakehouse.telemetry import topic_parts
+
+    names = topic_parts(model.topic_pattern)
+    if not names:
+        return None, {}
+    first = F.get(F.col("headers"), 0)
+    topic = F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))
+    regex = model.topic_regex()
+    parts = {n: F.nullif(F.regexp_extract(topic, regex, i + 1), F.lit("")) for i, n in enumerate(names)}
+    return parts.pop("device_id", None), parts
+
+
+def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT) -> DataFrame:
     """Bronze rows -> typed columns + ``parse_reasons`` (comma-joined, "" when parseable).
 
-    No higher-order functions (``filter``/``map_filter`` with a lambda): Spark interprets those
-    row by row, which roughly doubled the cost of parsing.
+    No higher-order functions with a lambda except for ``extra`` (only when a payload has more
+    fields than the model reads): Spark interprets those row by row.
     """
     m = F.from_json(F.col("value").cast("string"), _PAYLOAD, {"mode": "PERMISSIVE"})
-    df = bronze.withColumn("_m", m)
-    m = F.col("_m")
-    ts = m["ts"]
-    event_time = F.coalesce(
-        F.expr("try_to_timestamp(_m['ts'])"),
-        # epoch milliseconds are accepted too
-        F.when(ts.rlike(r"^\d{12,14}$"), F.timestamp_millis(F.expr("try_cast(_m['ts'] as bigint)"))),
-    )
+    if "headers" in bronze.columns:
+        from_topic, topic_cols = topic_device(model)
+    else:  # rows that did not come through Kafka: no topic
+        from_topic, topic_cols = None, {n: F.lit(None).cast("string") for n in model.topic_columns}
+    # Intermediate columns are computed once each (an expression used in several places would
+    # be inlined into each).
+    df = (bronze.withColumn("_m", m)
+          .withColumn("_raw_ts", F.trim(field(model.event_time_path)))
+          .withColumn("_topic_device", from_topic if from_topic is not None else F.lit(None).cast("string")))
+    df = df.withColumn("_num", _epoch_number(F.col("_raw_ts")))
+    df = df.withColumn("_time", _event_time(F.col("_num"), model.event_time_format))
     # An event time no device clock can produce is unparseable (``bad_ts``): before the epoch, or
     # more than a day after bronze received the record (relative to ingest_time, so a replay routes
     # it the same). Kept, it would advance the watermark for everyone (later readings quarantined
     # as late) and overflow pandas' nanosecond timestamps in gold (a crash on every restart).
-    event_time = F.when(event_time.between(F.timestamp_seconds(F.lit(0)),
-                                           F.col("ingest_time") + F.expr("INTERVAL 1 DAY")), event_time)
-    metrics = {c: F.expr(f"try_cast(_m['{c}'] as double)") for c in METRICS}
+    df = df.withColumn("_time", F.when(F.col("_time").between(
+        F.timestamp_seconds(F.lit(0)), F.col("ingest_time") + F.expr("INTERVAL 1 DAY")), F.col("_time")))
+    m = F.col("_m")
+    ts = F.col("_raw_ts")
+    event_time = F.col("_time")
+    from_topic = F.col("_topic_device") if from_topic is not None else None
+    cast = {"double": "double", "long": "bigint"}
+    raw = {mt.name: field(mt.source) for mt in model.metrics}
+    metrics = {mt.name: raw[mt.name].try_cast(cast[mt.type]) for mt in model.metrics}
+
+    from_payload = field(model.device_id_path) if model.device_id_path else None
+    mismatch = (from_payload.isNotNull() & from_topic.isNotNull() & (from_payload != from_topic)) \
+        if from_payload is not None and from_topic is not None else None
+    if from_payload is None:
+        device_id = from_topic
+    elif from_topic is None:
+        device_id = from_payload
+    elif model.on_device_mismatch == "trust_topic":
+        device_id = F.coalesce(from_topic, from_payload)
+    else:
+        device_id = F.coalesce(from_payload, from_topic)
+    df = df.withColumn("_device", device_id if device_id is not None else F.lit(None).cast("string"))
+    device_id = F.col("_device")
+    if model.event_id_path:
+        event_id = field(model.event_id_path)
+    else:  # no id in the payload: the same device and raw payload are the same event
+        event_id = F.when(device_id.isNotNull(), F.md5(F.concat(
+            F.encode(device_id, "UTF-8"), F.lit(b"\x00"), F.col("value"))))
+    version = (field(model.schema_version_path).try_cast("int") if model.schema_version_path
+               else F.lit(None).cast("int"))
+
     reasons = [
         F.when(m.isNull(), F.lit("not_json")),
-        F.when(m.isNotNull() & ~_nonempty(m["event_id"]), F.lit("missing_event_id")),
+        F.when(m.isNotNull() & ~_nonempty(event_id), F.lit("missing_event_id")),
         F.when(m.isNotNull() & ~_nonempty(ts), F.lit("missing_ts")),
         F.when(_nonempty(ts) & event_time.isNull(), F.lit("bad_ts")),
-        *[F.when(m[c].isNotNull() & metrics[c].isNull(), F.lit(f"wrong_type:{c}")) for c in METRICS],
-        F.when(m["schema_version"].isNotNull()
-               & F.expr("try_cast(_m['schema_version'] as int)").isNull(), F.lit("wrong_type:schema_version")),
     ]
+    if mismatch is not None and model.on_device_mismatch == "quarantine":
+        reasons.append(F.when(mismatch, F.lit("device_mismatch")))
+    reasons += [F.when(raw[n].isNotNull() & metrics[n].isNull(), F.lit(f"wrong_type:{n}"))
+                for n in model.metric_names]
+    if model.schema_version_path:
+        reasons.append(F.when(field(model.schema_version_path).isNotNull() & version.isNull(),
+                              F.lit("wrong_type:schema_version")))
     # Unknown fields are rare: filter the map only when it holds more than the known fields found.
-    known = sum((m[k].isNotNull().cast("int") for k in KNOWN_FIELDS), F.lit(0))
-    extra = F.when(F.size(m) > known, F.map_filter(m, lambda k, _: ~k.isin(*KNOWN_FIELDS)))
+    known_fields = sorted(model.payload_fields())
+    known = sum((m[k].isNotNull().cast("int") for k in known_fields), F.lit(0))
+    extra = F.when(F.size(m) > known, F.map_filter(m, lambda k, _: ~k.isin(*known_fields)))
+    status = field(model.status_path) if model.status_path else F.lit(None).cast("string")
     return df.select(
         F.col("value"), F.col("topic").alias("kafka_topic"),
         F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"),
         F.col("ingest_time"),
-        m["event_id"].alias("event_id"),
-        m["device_id"].alias("device_id"),
+        event_id.alias("event_id"),
+        device_id.alias("device_id"),
         event_time.alias("event_time"),
-        *[metrics[c].alias(c) for c in METRICS],
-        m["status"].alias("status"),
-        F.coalesce(F.expr("try_cast(_m['schema_version'] as int)"), F.lit(SCHEMA_VERSION)).alias("schema_version"),
+        *[metrics[n].alias(n) for n in model.metric_names],
+        *[c.alias(n) for n, c in topic_cols.items()],
+        status.alias("status"),
+        F.coalesce(version, F.lit(SCHEMA_VERSION)).alias("schema_version"),
         F.when(F.size(extra) > 0, F.to_json(extra)).alias("extra"),
         F.concat_ws(",", *reasons).alias("parse_reasons"),
     )

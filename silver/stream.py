@@ -34,10 +34,11 @@ from lakehouse.delta_read import open_table
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
-from lakehouse.tables import QUALITY_LOG, QUARANTINE, SILVER
+from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
+from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
 from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
-from silver.parse import PARSE_CHECKS, parse
+from silver.parse import PARSE_CHECKS, parse, parse_checks
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,17 @@ TABLE, QUARANTINE_TABLE, QUALITY_TABLE = "silver", "quarantine", "quality_log"
 _DEDUP_OP = "StreamingDeduplicateWithinWatermark"
 
 
-def validated(bronze: DataFrame, suite: Suite | None = None) -> DataFrame:
+def validated(bronze: DataFrame, suite: Suite | None = None,
+              model: TelemetryModel | None = None) -> DataFrame:
     """Parsed rows with ``reasons`` (comma-joined parse problems, then failed suite
     expectations; "" when valid; a payload that is not JSON gets only ``not_json``) and the
     dedup key and event time."""
-    parsed = parse(bronze)
+    parsed = parse(bronze, model or TelemetryModel())
+    missing = [c for c in (suite.columns if suite is not None else []) if c not in parsed.columns]
+    if missing:  # e.g. a metric removed from the model: its column stays, null from now on
+        log.warning("the suite %s checks columns the telemetry model does not parse: %s (null in "
+                    "new rows)", suite.path, missing)
+        parsed = parsed.withColumns({c: F.lit(None) for c in missing})
     checks = failure_names(suite) if suite is not None else F.lit("")
     found = F.col("parse_reasons")
     reasons = F.when(found == "not_json", found).otherwise(
@@ -103,7 +110,7 @@ def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = 
     payload until the writer knows which rows are late)."""
     bronze = bronze_stream(spark, settings, bronze_path, bronze_ending_version)
     wm = f"{settings.stream.watermark_seconds} seconds"
-    framed = validated(bronze, suite)
+    framed = validated(bronze, suite, settings.telemetry)
     if settings.stream.dedup == "state_store":
         return (framed.withColumn("value", F.when(F.col("reasons") != "", F.col("value")))
                 .withWatermark("dedup_time", wm)
@@ -145,14 +152,15 @@ def dropped_by_spark(spark: SparkSession, query: str, batch_id: int) -> tuple[in
         return None
 
 
-def parse_quality(reasons: pa.ChunkedArray) -> list[dict]:
+def parse_quality(reasons: pa.ChunkedArray,
+                  checks: tuple[tuple[str, str], ...] = PARSE_CHECKS) -> list[dict]:
     """Quality-log rows (kind ``row``) for every parse check; ``not_json`` is checked on every row,
     the others on the rows that are JSON objects."""
     n = len(reasons)
     counts = failure_counts(reasons)
     n_json = n - counts.get("not_json", 0)
     rows = []
-    for name, column in PARSE_CHECKS:
+    for name, column in checks:
         evaluated, failed = (n if name == "not_json" else n_json), counts.get(name, 0)
         rows.append(dict(expectation=name, column=column, kind="row", evaluated=evaluated,
                          passed=evaluated - failed, failed=failed, success=failed == 0,
@@ -167,6 +175,8 @@ class SilverBatchWriter:
                  suite: Suite | None = None, paths: dict[str, str] | None = None) -> None:
         self.spark, self.settings, self.checkpoint, self.app_id = spark, settings, checkpoint, app_id
         self.suite = suite
+        self.schema = silver_schema(settings.telemetry)
+        self.checks = parse_checks(settings.telemetry)
         self.paths = paths or {t: settings.table_path(t) for t in (TABLE, QUARANTINE_TABLE, QUALITY_TABLE)}
         self.last_counts: dict[str, int] = {}
         self.index = (DedupIndex(checkpoint, settings.stream.watermark_seconds * 1000)
@@ -207,7 +217,7 @@ class SilverBatchWriter:
                 return
         reasons = out.column("reasons")
         bad = pc.not_equal(reasons, "")
-        silver = out.filter(pc.invert(bad)).select(SILVER.names).cast(SILVER)
+        silver = out.filter(pc.invert(bad)).select(self.schema.names).cast(self.schema)
         quarantine = self._quarantine(out.filter(bad), now)
         if late.num_rows:
             quarantine = pa.concat_tables([quarantine, late])
@@ -248,7 +258,7 @@ class SilverBatchWriter:
         rows = [dict(expectation=k, column=None, kind="counter", evaluated=None, passed=None,
                      failed=None, success=True, details=json.dumps({"count": v}))
                 for k, v in self.last_counts.items()]
-        rows += parse_quality(reasons)
+        rows += parse_quality(reasons, self.checks)
         if self.suite is not None:
             rows += arrow_quality(self.suite, out.filter(pc.not_equal(reasons, "not_json")), "reasons")
         for r in rows:
@@ -279,10 +289,13 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           suite_path: Path | None = None, validate: bool = True,
           bronze_path: str | None = None, bronze_ending_version: int | None = None) -> StreamingQuery:
     """Start the silver stream; ``validate=False`` skips the suite (parse and dedup only)."""
-    suite = load_suite(suite_path) if validate else None  # a bad suite fails before the stream
+    suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
     ckpt = settings.checkpoint_path(TABLE)
-    for name, schema in ((TABLE, SILVER), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
-        delta_tables.ensure_table(spark, settings.table_path(name), schema)
+    schema = silver_schema(settings.telemetry)
+    for name, table_schema in ((TABLE, schema), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
+        delta_tables.ensure_table(spark, settings.table_path(name), table_schema)
+    # a metric or topic part added to the model: its column, before any reader starts
+    delta_tables.add_missing_columns(spark, settings.table_path(TABLE), schema)
     app_id = query_id(ckpt)
     pin_dedup_mode(ckpt, settings.stream.dedup)
     writer = SilverBatchWriter(spark, settings, ckpt, app_id, suite)

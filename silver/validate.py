@@ -84,7 +84,7 @@ def validate_table(settings: Settings, table: str, version: int | None = None,
     ``unexpected_counts`` (name -> count, None for aggregate checks) and per-expectation details.
     """
     dt = _open(settings, table, version)
-    suite = load_suite(suite_path)
+    suite = load_suite(suite_path or settings.telemetry.suite or None)
     present = {f.name for f in dt.schema().fields}
     columns = [c for c in suite.columns if c in present]  # missing ones: GX reports them
     if day is None:

@@ -26,7 +26,7 @@ from lakehouse.tables import BRONZE
 from orchestration.pipeline import delta_caught_up
 from silver.expectations import arrow_quality, failed_expectations, load_suite, quality_summary
 from silver.validate import validate_table
-from tests.test_expectations import CASES, SCHEMA
+from tests.test_expectations import CASES, SCHEMA, SENSOR_SUITE
 
 T = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 _DROP = object()
@@ -81,7 +81,8 @@ def lake(tmp_path: Path, request) -> Settings:
     dedup = getattr(request, "param", "index")
     return load_settings(environ={}, data_root=str(tmp_path / "lake"),
                          spark={"master": "local[2]", "shuffle_partitions": 2},
-                         stream={"watermark_seconds": 600, "dedup": dedup})
+                         stream={"watermark_seconds": 600, "dedup": dedup},
+                         telemetry={"suite": str(SENSOR_SUITE)})
 
 
 #: Both dedup implementations must give the same rows, counts and re-reads.
@@ -163,7 +164,7 @@ def test_each_defect_kind_goes_to_quarantine_with_its_exact_reason(spark, lake):
 
     # quality log: every parse check and every suite expectation, counted on this batch
     log = {r["expectation"]: r for r in table(lake, "quality_log").to_pylist() if r["kind"] != "counter"}
-    suite = load_suite()
+    suite = load_suite(SENSOR_SUITE)
     assert set(log) >= {c.name for c in suite.checks}
     reasons = Counter(n for r in expected.values() for n in r.split(","))
     docs = [d for d in (_json(p) for p, _ in cases) if d is not None]
@@ -276,7 +277,7 @@ def test_editing_the_suite_changes_routing_on_the_next_run(spark, lake, tmp_path
     b = Bronze(lake)
     warm = b.append(payload(1, temperature=35.0), payload(2, temperature=20.0))
     run(spark, lake)
-    raw = copy.deepcopy(dict(load_suite().raw))
+    raw = copy.deepcopy(dict(load_suite(SENSOR_SUITE).raw))
     for e in raw["expectations"]:
         if e["meta"]["name"] == "temperature_in_range":
             e["kwargs"].update(min_value=-10.0, max_value=30.0)
@@ -302,7 +303,7 @@ def test_validate_counts_match_quarantine_for_the_same_rows(spark, lake, tmp_pat
     run(spark, lake)
 
     bronze = read_table(b.path, columns=["value", "topic", "partition", "offset", "ingest_time"])
-    suite = load_suite()
+    suite = load_suite(SENSOR_SUITE)
     parsed = (silver.stream.validated(spark.createDataFrame(bronze), suite)
               .where(F.col("reasons") != "not_json").select(*suite.columns).toArrow())
     write_deltalake(lake.table_path("scratch"), parsed)
@@ -322,7 +323,7 @@ def test_validate_counts_match_quarantine_for_the_same_rows(spark, lake, tmp_pat
 
 def test_arrow_quality_equals_the_spark_aggregation(spark):
     """The stream's pyarrow quality log and ``quality_summary`` (one Spark pass) agree."""
-    suite = load_suite()
+    suite = load_suite(SENSOR_SUITE)
     df = spark.createDataFrame([c[:-1] for c in CASES], SCHEMA).withColumn(
         "failed_expectations", failed_expectations(suite))
     for data in (df, df.limit(0)):

@@ -11,11 +11,12 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import functions as F
 
-from lakehouse import cli
 from lakehouse.settings import load_settings
 from lakehouse.tables import SILVER
+from orchestration import cli
 from silver.expectations import evaluate_set_level, failed_expectations, load_suite
 from silver.validate import RESULT_FILE, validate_table
+from tests.test_expectations import SENSOR_SUITE
 
 TS = datetime(2026, 11, 21, 22, 30, tzinfo=UTC)
 
@@ -46,7 +47,8 @@ EXPECTED = {  # the data above, counted by hand
 
 @pytest.fixture
 def lake(tmp_path: Path):
-    s = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+                      telemetry={"suite": str(SENSOR_SUITE)})
     path = s.table_path("silver")
     write_deltalake(path, pa.Table.from_pylist(VALID + INVALID, schema=SILVER))  # version 0
     write_deltalake(path, pa.Table.from_pylist(VALID, schema=SILVER), mode="overwrite")  # v1
@@ -59,7 +61,7 @@ def test_gx_counts_equal_spark_counts(lake, spark, tmp_path):
     assert (summary["version"], summary["rows"]) == (0, len(VALID) + len(INVALID))
     assert summary["unexpected_counts"] == EXPECTED
 
-    suite = load_suite()
+    suite = load_suite(SENSOR_SUITE)
     df = spark.createDataFrame(DeltaTable(lake.table_path("silver"), version=0).to_pyarrow_table())
     spark_counts = dict(df.select(F.explode(failed_expectations(suite)).alias("name"))
                         .groupBy("name").count().collect())

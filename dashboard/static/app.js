@@ -2,7 +2,6 @@
 "use strict";
 
 const REFRESH_MS = 5000;
-const METRICS = ["temperature", "humidity", "battery"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 const state = { q: "", status: "", page: 1, size: 25, total: 0, device: null, hours: 6 };
 
@@ -140,12 +139,14 @@ function renderDevice(d) {
     ` · ${d.anomalies.length} anomal${d.anomalies.length === 1 ? "y" : "ies"} in range`;
   // The x axis spans the requested range, or less when the device's data starts later.
   const t1 = Date.parse(dev.last_seen || new Date().toISOString());
-  const firsts = METRICS.flatMap((m) => [d.series[m]?.t[0], d.points[m]?.t[0]]).filter((t) => t != null);
+  const metrics = d.metrics.map((m) => m.name);  // the telemetry model's gold metrics
+  const units = Object.fromEntries(d.metrics.map((m) => [m.name, m.unit ? ` ${m.unit}` : ""]));
+  const firsts = metrics.flatMap((m) => [d.series[m]?.t[0], d.points[m]?.t[0]]).filter((t) => t != null);
   const t0 = Math.max(Date.parse(d.since), Math.min(t1 - 60000, ...firsts));
-  $("charts").replaceChildren(...METRICS.map((m) => {
+  $("charts").replaceChildren(...metrics.map((m) => {
     const an = d.anomalies.filter((a) => a.metric === m);
     return el("figure", { class: "chart", "data-metric": m, "data-anomalies": an.length },
-      el("figcaption", {}, `${m} · now ${fmtNum(dev[m], 2)}`), chart(m, d.series[m], d.points[m], an, t0, t1));
+      el("figcaption", {}, `${m} · now ${fmtNum(dev[m], 2)}${units[m]}`), chart(m, d.series[m], d.points[m], an, t0, t1));
   }));
 }
 

@@ -1,0 +1,280 @@
+"""Any fleet by configuration: the telemetry model drives silver's parsing, identity and columns.
+
+Parsing is checked on real Spark with bronze rows as the Kafka source gives them (headers with
+the bridge's ``mqtt_topic``); the schema change of a running deployment on a real silver stream
+and Delta table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+import silver.stream
+from lakehouse.settings import SettingsError, load_settings
+from lakehouse.tables import BRONZE, silver_schema
+from lakehouse.telemetry import TelemetryModel
+from orchestration.cli import main as cli_main
+from silver.default_suite import default_suite
+from silver.expectations import DEFAULT_SUITE_PATH, load_suite
+
+NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+
+#: An industrial pump fleet: id only in the topic, nested readings, epoch-second times, no
+#: event ids, a site in the topic.
+PUMP = {
+    "topic_pattern": "plant/{site}/{device_id}/telemetry",
+    "device_id_path": "", "event_id_path": "", "status_path": "", "schema_version_path": "",
+    "event_time_path": "ts", "event_time_format": "epoch_s",
+    "metrics": [
+        {"name": "pressure", "path": "readings.pressure_bar", "unit": "bar", "min": 0, "max": 40},
+        {"name": "flow", "path": "readings.flow_m3h", "unit": "m3/h", "min": 0},
+        {"name": "vibration", "path": "readings.vibration_mm_s", "unit": "mm/s"},
+        {"name": "rpm", "path": "readings.rpm", "type": "long"},
+        {"name": "motor_temperature", "path": "readings.motor_temp_c", "unit": "°C", "gold": False},
+    ],
+}
+
+
+def bronze_rows(spark, records: list[tuple[str | None, bytes]]):
+    """Bronze rows as the Kafka source reads what the bridge wrote: (MQTT topic, payload)."""
+    rows = [{"key": None, "value": payload, "topic": "telemetry", "partition": 0, "offset": i,
+             "timestamp": NOW, "ingest_time": NOW,
+             "headers": [{"key": "mqtt_topic", "value": topic.encode()}] if topic else []}
+            for i, (topic, payload) in enumerate(records)]
+    return spark.createDataFrame(pa.Table.from_pylist(rows, schema=BRONZE).to_pandas())
+
+
+def parsed(spark, model: TelemetryModel, records, suite=None) -> list[dict]:
+    df = silver.stream.validated(bronze_rows(spark, records), suite, model)
+    return [r.asDict() for r in df.orderBy("kafka_offset").collect()]
+
+
+def test_a_pump_fleet_by_configuration_only(spark) -> None:
+    model = TelemetryModel(**PUMP)
+    payload = json.dumps({"ts": 1764000000, "meta": {"fw": "2.1"},
+                          "readings": {"pressure_bar": 4.2, "flow_m3h": 12.5, "vibration_mm_s": 0.8,
+                                       "rpm": 1450, "motor_temp_c": 61.5}}).encode()
+    rows = parsed(spark, model, [
+        ("plant/north/pump-7f3a/telemetry", payload),
+        ("plant/north/pump-7f3a/telemetry", payload),  # a redelivery: the same derived event id
+        ("plant/south/pump-0001/telemetry", json.dumps({"ts": 1764000060123,  # ms: wrong unit
+                                                        "readings": {"rpm": "fast"}}).encode()),
+        ("elsewhere/x", payload),  # not the pattern's topic: no device
+    ], suite=load_suite(_suite_file(model)))
+    first = rows[0]
+    assert first["device_id"] == "pump-7f3a" and first["site"] == "north"
+    assert first["event_time"] == datetime(2025, 11, 24, 16, 0)  # naive UTC (session time zone)
+    assert (first["pressure"], first["flow"], first["vibration"], first["rpm"],
+            first["motor_temperature"]) == (4.2, 12.5, 0.8, 1450, 61.5)
+    assert json.loads(first["extra"]) == {"meta": '{"fw":"2.1"}'}
+    assert first["reasons"] == ""
+    assert first["event_id"] == hashlib.md5(b"pump-7f3a\x00" + payload).hexdigest()
+    assert rows[1]["event_id"] == first["event_id"]
+    assert rows[2]["reasons"] == "bad_ts,wrong_type:rpm,event_time_not_null"
+    assert rows[3]["device_id"] is None and "device_id_not_null" in rows[3]["reasons"]
+    assert silver_schema(model).names[:9] == [
+        "event_id", "device_id", "event_time", "pressure", "flow", "vibration", "rpm",
+        "motor_temperature", "site"]
+    assert silver_schema(model).field("rpm").type == pa.int64()
+    assert model.gold_metrics == ("pressure", "flow", "vibration", "rpm")
+
+
+def _suite_file(model: TelemetryModel) -> Path:
+    import tempfile
+
+    f = Path(tempfile.mkdtemp()) / "suite.json"
+    f.write_text(json.dumps(default_suite(model)))
+    return f
+
+
+def sensor(device: str, event_id: str = "e1", **over) -> bytes:
+    rec = {"device_id": device, "event_id": event_id, "ts": "2026-11-25T11:59:00Z",
+           "temperature": 21.0, "humidity": 40.0, "battery": 80.0}
+    return json.dumps({**rec, **over}, ensure_ascii=False).encode()
+
+
+def test_topic_and_payload_must_name_the_same_device(spark) -> None:
+    records = [("devices/dev-00010/telemetry", sensor("dev-00009")),
+               ("devices/dev-00010/telemetry", sensor("dev-00010", "e2")),
+               (None, sensor("dev-00009", "e3"))]  # no bridge header: the payload alone
+    rows = parsed(spark, TelemetryModel(), records)
+    assert [(r["device_id"], r["reasons"]) for r in rows] == [
+        ("dev-00009", "device_mismatch"), ("dev-00010", ""), ("dev-00009", "")]
+    trusted = parsed(spark, TelemetryModel(on_device_mismatch="trust_topic"), records)
+    assert [(r["device_id"], r["reasons"]) for r in trusted] == [
+        ("dev-00010", ""), ("dev-00010", ""), ("dev-00009", "")]
+
+
+def test_real_fleet_ids_pass_the_generated_suite(spark) -> None:
+    """Hyphens, dots, slashes, unicode and UUID event ids are ids; blanks and control
+    characters are not, nor is an id longer than the model allows."""
+    good = ["sensor-a1", "plant.7.pump", "site/3/unit-4", "Kühlraum-Ost", "传感器-7", "a"]
+    bad = {"has space": "device_id_printable", "tab\there": "device_id_printable",
+           "x" * 129: "device_id_length"}
+    records = [(None, sensor(d, f"3f2b8c1e-4a5d-4e6f-9a7b-{i:012d}")) for i, d in enumerate(good)]
+    records += [(None, sensor(d, f"bad-{i}")) for i, d in enumerate(bad)]
+    suite = load_suite(DEFAULT_SUITE_PATH)
+    rows = parsed(spark, TelemetryModel(), records, suite)
+    assert [r["reasons"] for r in rows[:len(good)]] == [""] * len(good)
+    assert [r["device_id"] for r in rows[:len(good)]] == good
+    assert [r["reasons"] for r in rows[len(good):]] == list(bad.values())
+
+
+@pytest.mark.parametrize(("fmt", "ts", "expected"), [
+    ("auto", "2026-11-25T11:59:00.250Z", datetime(2026, 11, 25, 11, 59, 0, 250000)),
+    ("auto", 1764071940, datetime(2025, 11, 25, 11, 59)),
+    ("auto", 1764071940250, datetime(2025, 11, 25, 11, 59, 0, 250000)),
+    ("auto", 1764071940250001, datetime(2025, 11, 25, 11, 59, 0, 250001)),
+    ("epoch_s", 1764071940.5, datetime(2025, 11, 25, 11, 59, 0, 500000)),
+    ("epoch_ms", 1764071940250, datetime(2025, 11, 25, 11, 59, 0, 250000)),
+    ("epoch_us", 1764071940250001, datetime(2025, 11, 25, 11, 59, 0, 250001)),
+    ("iso8601", 1764071940, None),
+    ("epoch_s", "2026-11-25T11:59:00Z", None),
+])
+def test_event_time_formats(spark, fmt, ts, expected) -> None:
+    model = TelemetryModel(event_time_format=fmt)
+    (row,) = parsed(spark, model, [(None, sensor("d1", ts=ts))])
+    assert row["event_time"] == expected
+    assert row["reasons"] == ("" if expected else "bad_ts")
+
+
+def test_a_metric_added_to_a_running_deployment(spark, tmp_path: Path) -> None:
+    """Next start after the model gains a metric: the column is added (older rows null), the
+    stream resumes from its checkpoint; a metric removed later keeps its column."""
+    base = dict(environ={}, data_root=str(tmp_path / "lake"),
+                spark={"master": "local[2]", "shuffle_partitions": 2})
+    before = load_settings(**base)
+    bronze = before.table_path("bronze")
+    write_deltalake(bronze, BRONZE.empty_table())
+
+    def append(*payloads: bytes, first: int) -> None:
+        n = len(payloads)
+        write_deltalake(bronze, pa.table({
+            "key": [None] * n, "value": list(payloads), "topic": ["t"] * n, "partition": [0] * n,
+            "offset": list(range(first, first + n)), "timestamp": [NOW] * n, "headers": [[]] * n,
+            "ingest_time": [NOW] * n}, schema=BRONZE), mode="append")
+
+    def run(settings) -> None:
+        q = silver.stream.start(spark, settings, trigger="available_now")
+        q.awaitTermination(300)
+        assert q.exception() is None
+
+    append(sensor("d1", "e1", pressure=1.5), first=0)
+    run(before)
+    metrics = [*before.telemetry.model_dump()["metrics"], {"name": "pressure", "min": 0}]
+    after = load_settings(**base, telemetry={"metrics": metrics})
+    append(sensor("d1", "e2", pressure=2.5), first=1)
+    run(after)
+    t = DeltaTable(after.table_path("silver")).to_pandas().sort_values("event_id")
+    assert list(t.event_id) == ["e1", "e2"]
+    assert t.pressure.isna().tolist() == [True, False] and t.pressure.iloc[1] == 2.5
+    assert json.loads(t.extra.iloc[0]) == {"pressure": "1.5"}  # undeclared then: kept in extra
+    assert t.extra.isna().iloc[1]
+
+    fewer = [m for m in metrics if m["name"] != "humidity"]
+    removed = load_settings(**base, telemetry={"metrics": fewer})
+    append(sensor("d1", "e3"), first=2)
+    run(removed)
+    t = DeltaTable(after.table_path("silver")).to_pandas().sort_values("event_id")
+    assert "humidity" in t.columns and t.humidity.isna().tolist() == [False, False, True]
+
+
+def test_bundled_suite_is_the_default_models() -> None:
+    assert json.loads(DEFAULT_SUITE_PATH.read_text()) == json.loads(
+        json.dumps(default_suite(TelemetryModel()), ensure_ascii=False))
+    names = [c.name for c in load_suite(DEFAULT_SUITE_PATH).checks]
+    assert not any("format" in n for n in names)  # no id pattern of one fleet
+
+
+def test_expectations_command(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "iotlake.json"
+    cfg.write_text(json.dumps({"data_root": str(tmp_path / "lake"), "telemetry": PUMP}))
+    assert cli_main(["--config", str(cfg), "expectations"]) == 0
+    suite = json.loads(capsys.readouterr().out)
+    names = [e["meta"]["name"] for e in suite["expectations"]]
+    assert {"pressure_in_range", "flow_in_range"} <= set(names) and "rpm_in_range" not in names
+    out = tmp_path / "suite.json"
+    assert cli_main(["--config", str(cfg), "expectations", "--out", str(out)]) == 0
+    assert load_suite(out).name == "telemetry"
+    assert cli_main(["--config", str(cfg), "expectations", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("telemetry", "named"), [
+    ({"metrics": [{"name": "device_id"}]}, "telemetry.metrics.0"),
+    ({"metrics": [{"name": "Temp C"}]}, "telemetry.metrics.0.name"),
+    ({"topic_pattern": "plant/+/{device_id}"}, "telemetry.topic_pattern"),
+    ({"device_id_path": "", "topic_pattern": "plant/{site}"}, "telemetry"),
+    ({"event_time_format": "unix"}, "telemetry.event_time_format"),
+    ({"metrics": [{"name": "a", "min": 5, "max": 1}]}, "telemetry.metrics.0"),
+])
+def test_a_bad_model_fails_fast_naming_the_key(tmp_path: Path, telemetry, named, capsys) -> None:
+    with pytest.raises(SettingsError, match=rf"setting '{named}'"):
+        load_settings(environ={}, telemetry=telemetry)
+    cfg = tmp_path / "iotlake.json"
+    cfg.write_text(json.dumps({"data_root": str(tmp_path / "lake"), "telemetry": telemetry}))
+    assert cli_main(["--config", str(cfg), "expectations"]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_gold_follows_the_model_and_its_status_rules(spark, tmp_path: Path) -> None:
+    """Gold health and windows score, window and judge the model's gold metrics (a pump fleet's
+    pressure rule); adding a gold metric later needs no new checkpoint."""
+    import gold.health
+    import gold.windows
+
+    pump = {**PUMP, "status_rules": [{"metric": "pressure", "below": 1.0, "reason": "low_pressure"}],
+            "error_status": ""}
+    base = dict(environ={}, data_root=str(tmp_path / "lake"),
+                spark={"master": "local[2]", "shuffle_partitions": 2}, stream={"watermark_seconds": 30})
+    s = load_settings(**base, telemetry=pump)
+    schema = silver_schema(s.telemetry)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def rows(first: int, n: int, pressure: float, **extra) -> pa.Table:
+        recs = [{"event_id": f"e{first + i}", "device_id": "pump-7f3a", "site": "north",
+                 "event_time": t0 + timedelta(seconds=10 * (first + i)),
+                 "pressure": pressure, "flow": 12.0, "vibration": 0.5, "rpm": 1450,
+                 "motor_temperature": 60.0, "status": None, "schema_version": 1, "extra": None,
+                 "kafka_partition": 0, "kafka_offset": first + i, "ingest_time": t0, **extra}
+                for i in range(n)]
+        return pa.Table.from_pylist(recs, schema=schema)
+
+    def run(settings) -> None:
+        for start in (gold.health.start, gold.windows.start):
+            q = start(spark, settings, trigger="available_now")
+            q.awaitTermination(300)
+            assert q.exception() is None
+
+    write_deltalake(s.table_path("silver"), rows(0, 6, 4.0))
+    write_deltalake(s.table_path("silver"), rows(6, 1, 0.4), mode="append")
+    run(s)
+    scored = DeltaTable(s.table_path("readings_scored")).to_pandas()
+    assert sorted(scored.metric.unique()) == ["flow", "pressure", "rpm", "vibration"]
+    assert len(scored) == 7 * 4
+    hist = DeltaTable(s.table_path("device_status_history")).to_pandas().sort_values("changed_at")
+    assert list(zip(hist.status, hist.reason, strict=True)) == [("online", "data"), ("degraded", "low_pressure")]
+    cur = DeltaTable(s.table_path("device_current")).to_pandas()
+    assert {"pressure", "flow", "vibration", "rpm"} <= set(cur.columns) and "temperature" not in cur.columns
+    assert cur.pressure.tolist() == [0.4] and cur.status.tolist() == ["degraded"]
+    windows = DeltaTable(s.table_path("gold_metrics_1m")).to_pandas()
+    assert sorted(windows.metric.unique()) == ["flow", "pressure", "rpm", "vibration"]
+    assert windows[windows.metric == "rpm"]["count"].sum() == 7
+
+    # motor_temperature joins gold: same checkpoints, a new device_current column
+    more = {**pump, "metrics": [{**m, "gold": True} for m in PUMP["metrics"]]}
+    s2 = load_settings(**base, telemetry=more)
+    write_deltalake(s.table_path("silver"), rows(7, 2, 4.0, motor_temperature=70.0), mode="append")
+    run(s2)
+    cur = DeltaTable(s.table_path("device_current")).to_pandas()
+    assert cur.motor_temperature.tolist() == [70.0] and cur.status.tolist() == ["online"]
+    scored = DeltaTable(s.table_path("readings_scored")).to_pandas()
+    assert (scored.metric == "motor_temperature").sum() == 2
