@@ -30,25 +30,65 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
+from silver_throughput import PROFILES, profile_model  # bench/ is on sys.path
 
 import gold.health
 import gold.windows
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
-from lakehouse.tables import SILVER
+from lakehouse.tables import SILVER, silver_schema
+from lakehouse.telemetry import TelemetryModel
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 STEP_S = 10  # every device reports every STEP_S seconds of event time
 
 
+#: the telemetry model of the run (``--profile``); the sensor's by default
+MODEL = TelemetryModel()
+
+
 def settings_for(root: Path, max_files: int) -> Settings:
     return load_settings(environ={}, data_root=str(root),
                          spark={"master": "local[2]", "shuffle_partitions": 2},
-                         gold={"max_files_per_trigger": max_files, "max_bytes_per_trigger": 0})
+                         gold={"max_files_per_trigger": max_files, "max_bytes_per_trigger": 0},
+                         telemetry=MODEL.model_dump())
+
+
+def model_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa.Table:
+    """Readings of any telemetry model: each metric a per-device level plus noise, rare spikes
+    on the first; a few devices break the first status rule."""
+    i = np.arange(lo, hi)
+    dev = i % devices
+    n = hi - lo
+    t_us = int(T0.timestamp() * 1e6) + (i // devices) * STEP_S * 1_000_000
+    cols = {}
+    for k, m in enumerate(MODEL.metrics):
+        lo_v = m.min if m.min is not None else 0.0
+        hi_v = m.max if m.max is not None else lo_v + 100.0
+        v = lo_v + (hi_v - lo_v) * (0.4 + 0.02 * (dev % 7)) + rng.normal(0, 0.002 * (hi_v - lo_v), n)
+        if k == 0:
+            v[rng.random(n) < 1e-4] += 0.3 * (hi_v - lo_v)  # rare spikes
+        cols[m.name] = np.round(v).astype(np.int64) if m.type == "long" else v
+    for r in MODEL.status_rules[:1]:  # a few devices out of bounds
+        bad = r.below - 1 if r.below is not None else r.above + 1
+        cols[r.metric] = np.where(dev % 500 == 0, bad, cols[r.metric])
+    schema = silver_schema(MODEL)
+    data = {
+        "event_id": pa.array(np.char.add("e", i.astype(str))),
+        "device_id": pa.array(np.char.add("dev-", np.char.zfill(dev.astype(str), 6))),
+        "event_time": pa.array(t_us, pa.timestamp("us", tz="UTC")), **cols,
+        **{c: pa.array(np.char.add(f"{c}-", (dev % 3).astype(str))) for c in MODEL.topic_columns},
+        "status": pa.nulls(n, pa.string()), "schema_version": pa.array(np.ones(n, np.int32)),
+        "extra": pa.nulls(n, pa.string()), "kafka_partition": pa.array(np.zeros(n, np.int32)),
+        "kafka_offset": i, "ingest_time": pa.array(t_us, pa.timestamp("us", tz="UTC")),
+    }
+    return pa.table({f: data[f] for f in schema.names}).cast(schema)
 
 
 def silver_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa.Table:
     """Readings lo..hi-1: reading i is device i % devices at T0 + (i // devices) * STEP_S."""
+    if MODEL != TelemetryModel():
+        return model_batch(lo, hi, devices, rng)
     i = np.arange(lo, hi)
     dev = i % devices
     n = hi - lo
@@ -149,8 +189,9 @@ def fresh(root: Path, name: str, max_files: int, silver: str) -> Settings:
 
 def check_scored(settings: Settings, readings: int) -> None:
     n = DeltaTable(settings.table_path("readings_scored")).count()
-    if n != readings * 3:
-        raise AssertionError(f"readings_scored has {n} rows, want {readings * 3}")
+    k = len(MODEL.gold_metrics)
+    if n != readings * k:
+        raise AssertionError(f"readings_scored has {n} rows, want {readings * k}")
 
 
 def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.Namespace,
@@ -189,8 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scaling", default="1000,100000",
                     help="comma-separated device counts for health-only runs ('' = none)")
     ap.add_argument("--skip-windows", action="store_true")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="sensor",
+                    help="whose readings: the bundled sensor's, or examples/pump.toml's model")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args(argv)
+    global MODEL
+    MODEL = profile_model(args.profile)
     if args.smoke:
         args.devices, args.readings, args.commits, args.scaling = 20, 2_000, 2, ""
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
@@ -203,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             scaling[str(d)] = bench_devices(spark, root, d, args, windows=False)["health"]
         h = main_run["health"]
         result = {
-            "devices": args.devices, "readings": args.readings, "max_files_per_trigger": args.max_files,
+            "profile": args.profile, "devices": args.devices, "readings": args.readings, "max_files_per_trigger": args.max_files,
             "rows_per_batch": args.readings // args.commits * args.max_files,
             "rows_per_s": h["rows_per_s"], "rows_per_s_steady": h["rows_per_s_steady"],
             "rows_per_cpu_s": h["rows_per_cpu_s"], "cpu_s_by_process": h["cpu_s_by_process"],

@@ -28,16 +28,19 @@ import pyarrow as pa
 from deltalake import write_deltalake
 
 import silver.stream
+from ingest.simulator import ModelPayloads, device_topic, drop_field, encode, set_field
 from lakehouse.delta_read import read_table
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from lakehouse.tables import BRONZE
+from lakehouse.telemetry import TelemetryModel
+from silver.default_suite import default_suite
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 PARTITIONS = 4
-_INVALID = (  # (what, payload fields replaced)
-    ("range", {"temperature": "130.5"}), ("enum", {"status": '"broken"'}),
-    ("device", {"device_id": '"dev-1"'}), ("type", {"humidity": '"wet"'}),
+_INVALID = (  # (what, payload fields replaced): each fails the default suite or parsing
+    ("range", {"temperature": "130.5"}), ("blank_in_id", {"device_id": '"dev 1"'}),
+    ("long_id", {"device_id": '"' + "d" * 200 + '"'}), ("type", {"humidity": '"wet"'}),
     ("no_id", {"event_id": None}), ("not_json", None),
 )
 
@@ -52,24 +55,75 @@ def _payload(i: int, rng: random.Random, over: dict | None = None, step_ms: floa
     return ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items() if v is not None) + "}").encode()
 
 
-def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: float = 10) -> Counter[str]:
+#: ``--profile``: a telemetry model file (``[telemetry]``) whose readings the bronze table holds;
+#: "sensor" is the default model (the bundled simulator's).
+PROFILES = {"sensor": None, "pump": Path(__file__).resolve().parents[1] / "examples" / "pump.toml"}
+
+
+def profile_model(name: str) -> TelemetryModel:
+    f = PROFILES[name]
+    return load_settings(f, environ={}).telemetry if f else TelemetryModel()
+
+
+class ModelBronze:
+    """Payloads of any telemetry model (the simulator's), with invalid ones that fail parsing
+    or the model's generated suite."""
+
+    def __init__(self, model: TelemetryModel, rng: random.Random, step_ms: float) -> None:
+        self.model, self.step_us = model, int(step_ms * 1000)
+        self.settings = load_settings(environ={}, telemetry=model.model_dump())
+        self.gen = ModelPayloads(model, rng, 1000)
+        self.t0_us = int(T0.timestamp() * 1_000_000)
+        ranged = next(m for m in model.metrics if m.max is not None)
+        self.invalid = (("range", ranged.source, ranged.max + 1), ("type", model.metrics[0].source, "x"),
+                        ("no_ts", model.event_time_path, None), ("not_json", None, None))
+
+    def topic(self, i: int) -> bytes:
+        """The MQTT topic (the bridge's ``mqtt_topic`` header) of reading ``i``'s device."""
+        d = i % 1000
+        return device_topic(self.settings, self.gen.ids[d], d).encode()
+
+    def payload(self, i: int, invalid: int | None = None) -> bytes:
+        rec, _ = self.gen.record(i % 1000, self.t0_us + i * self.step_us)
+        if invalid is not None:
+            what, path, value = self.invalid[invalid % len(self.invalid)]
+            if what == "not_json":
+                return b"\xffnot json"
+            if value is None:
+                drop_field(rec, path)
+            else:
+                set_field(rec, path, value)
+        return encode(rec)
+
+
+def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: float = 10,
+                 model: TelemetryModel | None = None) -> Counter[str]:
     """Write the bronze table (event times ``step_ms`` apart); returns the expected silver
-    accounting."""
+    accounting. ``model``: payloads of that telemetry model instead of the sensor's."""
     rng = random.Random(seed)
+    shaped = ModelBronze(model, rng, step_ms) if model is not None and model != TelemetryModel() else None
     kinds = ["dup"] * (rows // 100) + ["bad"] * (rows // 100)
     kinds += ["ok"] * (rows - len(kinds))
     rng.shuffle(kinds)
     kinds[0] = "ok"
     payloads: list[bytes] = []
+    headers: list[list[dict]] = []
     valid: list[int] = []  # positions of valid events, for duplicates to re-send
     for i, kind in enumerate(kinds):
         if kind == "dup":  # a re-send of a recent event (within ~50 s of event time)
-            payloads.append(payloads[valid[-1 - rng.randrange(min(len(valid), 5000))]])
-        elif kind == "bad":
-            _, over = _INVALID[i % len(_INVALID)]
-            payloads.append(b"\xffnot json" if over is None else _payload(i, rng, over, step_ms))
+            j = valid[-1 - rng.randrange(min(len(valid), 5000))]
+            payloads.append(payloads[j])
+            headers.append(headers[j])
+            continue
+        headers.append([{"key": "mqtt_topic", "value": shaped.topic(i)}] if shaped else [])
+        if kind == "bad":
+            if shaped is not None:
+                payloads.append(shaped.payload(i, invalid=i))
+            else:
+                _, over = _INVALID[i % len(_INVALID)]
+                payloads.append(b"\xffnot json" if over is None else _payload(i, rng, over, step_ms))
         else:
-            payloads.append(_payload(i, rng, step_ms=step_ms))
+            payloads.append(shaped.payload(i) if shaped is not None else _payload(i, rng, step_ms=step_ms))
             valid.append(i)
     per_commit = -(-rows // commits)
     now = datetime.now(UTC)
@@ -80,7 +134,7 @@ def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: flo
             "key": pa.nulls(n, pa.binary()), "value": [payloads[i] for i in idx],
             "topic": ["telemetry"] * n, "partition": pa.array([i % PARTITIONS for i in idx], pa.int32()),
             "offset": pa.array([i // PARTITIONS for i in idx], pa.int64()),
-            "timestamp": [now] * n, "headers": [[]] * n, "ingest_time": [now] * n,
+            "timestamp": [now] * n, "headers": [headers[i] for i in idx], "ingest_time": [now] * n,
         }, schema=BRONZE), mode="append")
     n = Counter(kinds)
     return Counter(rows_in=rows, silver=n["ok"], quarantine=n["bad"], duplicates=n["dup"], late=0)
@@ -148,27 +202,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark conf (repeatable), e.g. to try a state store setting")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="sensor",
+                    help="whose readings: the bundled sensor's, or examples/pump.toml's model")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.commits, args.files_per_batch = 4_000, 4, 1
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-silver-bench-"))
+    model = profile_model(args.profile)
+    suite = root / "suite.json"  # the model's generated suite
+    suite.write_text(json.dumps(default_suite(model)))
     try:
         def settings(name: str) -> Settings:
             return load_settings(environ={}, data_root=str(root / name), stream={"watermark_seconds": 600, "silver_max_files_per_trigger": args.files_per_batch,
                                                  "silver_max_bytes_per_trigger": 0},
                                  spark={"master": args.master, "shuffle_partitions": args.shuffle_partitions,
-                                        "conf": dict(c.split("=", 1) for c in args.conf)})
+                                        "conf": dict(c.split("=", 1) for c in args.conf)},
+                                 telemetry={**model.model_dump(), "suite": str(suite)})
 
         bronze = settings("bronze").table_path("bronze")
         t0 = time.monotonic()
-        expected = build_bronze(bronze, args.rows, args.commits)
+        expected = build_bronze(bronze, args.rows, args.commits, model=model)
         built = time.monotonic() - t0
         warm = settings("warm_bronze").table_path("bronze")
         # at least two micro-batches, so the warm-up has a steady part too
         build_bronze(warm, min(args.rows, 2 * args.rows // args.commits), 2 * args.files_per_batch,
-                     seed=1)
+                     seed=1, model=model)
         spark = spark_session(settings("spark"), app_name="iotlake-silver-bench")
         for validate in () if args.smoke else (True, False):  # a smoke run measures nothing
             run_silver(spark, settings(f"warm_{validate}"), warm, validate)
@@ -187,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"bronze_build_s": round(built, 1), "files_per_batch": args.files_per_batch,
                           "shuffle_partitions": args.shuffle_partitions, "conf": args.conf,
                           "load_avg_1m": os.getloadavg()[0]}))
-        print(json.dumps({"rows": args.rows, "rows_per_s_with_validation": round(with_v),
+        print(json.dumps({"rows": args.rows, "profile": args.profile,
+                          "rows_per_s_with_validation": round(with_v),
                           "rows_per_s_without": round(without),
                           "overhead_ratio": round(without / with_v, 3)}))
     finally:

@@ -303,7 +303,9 @@ def health_fn(gold: GoldSettings, model: TelemetryModel | None = None):
         state.update((dump_devices(devs, metrics),))
         pending = devs.timeout_at[devs.timeout_at != _NONE]
         if pending.size:
-            state.setTimeoutTimestamp(int(pending.min()))
+            # Spark takes no timeout at or below the watermark: a device whose deadline already
+            # passed (it sent only old readings) goes offline at the next call, as of its deadline
+            state.setTimeoutTimestamp(int(max(pending.min(), wm + 1)))
         if out.parts:
             yield out.frame()
 

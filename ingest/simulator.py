@@ -7,6 +7,7 @@ exact event times, duplicates, malformed payloads and late arrivals.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -19,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 import paho.mqtt.client as mqtt
 
 from lakehouse.settings import Settings
+from lakehouse.telemetry import TelemetryModel, topic_parts
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,14 @@ def device_id(index: int) -> str:
     return f"dev-{index + 1:05d}"
 
 
-def device_topic(settings: Settings, device: str) -> str:
-    """The MQTT topic a device publishes to: the filter with its ``+`` replaced."""
-    flt = settings.mqtt.topic_filter
+def device_topic(settings: Settings, device: str, index: int = 0) -> str:
+    """The MQTT topic a device publishes to: the telemetry model's topic pattern with the device
+    and its other parts filled in (``site-0`` .. ``site-2``), or, when ``mqtt.topic_filter`` is
+    set apart from the pattern, the filter with its ``+`` replaced."""
+    model, flt = settings.telemetry, settings.mqtt.topic_filter
+    if flt == model.topic_filter and topic_parts(model.topic_pattern):
+        return model.topic_pattern.format_map(
+            {n: device if n == "device_id" else f"{n}-{index % 3}" for n in topic_parts(model.topic_pattern)})
     if flt.count("+") != 1 or "#" in flt:
         raise ValueError(f"mqtt.topic_filter {flt!r} must contain exactly one '+' (the device id) and no '#'")
     return flt.replace("+", device)
@@ -71,8 +78,12 @@ class Fleet:
         self.start = start.replace(microsecond=start.microsecond // 1000 * 1000)
         self.interval = timedelta(seconds=devices / rate)
         self.rng = rng
-        self.ids = [device_id(d) for d in range(devices)]
-        self.topics = [device_topic(settings, i) for i in self.ids]
+        self.model = settings.telemetry
+        # the model of the bundled sensor takes the fast path below; any other, ModelPayloads
+        self.custom = None if _shape(self.model) == _shape(TelemetryModel()) else \
+            ModelPayloads(self.model, rng, devices)
+        self.ids = self.custom.ids if self.custom else [device_id(d) for d in range(devices)]
+        self.topics = [device_topic(settings, i, d) for d, i in enumerate(self.ids)]
         self.count = [0] * devices
         self.temp = [rng.uniform(15.0, 30.0) for _ in range(devices)]
         self.hum = [rng.uniform(30.0, 70.0) for _ in range(devices)]
@@ -99,6 +110,8 @@ class Fleet:
         ts_us = self._start_us + k * self._interval_us
         if late:
             ts_us -= rng.randint(60_000, 300_000) * 1000
+        if self.custom is not None:
+            return self.topics[d], *self.custom.reading(d, ts_us)
         self.temp[d] += rng.gauss(0.0, 0.2)
         self.hum[d] = min(100.0, max(0.0, self.hum[d] + rng.gauss(0.0, 0.5)))
         self.battery[d] = max(0.0, self.battery[d] - rng.uniform(0.0, 0.02))
@@ -133,6 +146,8 @@ class Fleet:
         variant = rng.choice(_MALFORMED)
         d = rng.randrange(len(self.topics))
         topic = self.topics[d]
+        if self.custom is not None:
+            return Message(topic, self.custom.malformed(d, variant, self._start_us), None, "malformed")
         # A record that does not advance any device clock: bad input is not a reading.
         record = {"schema_version": 1, "device_id": self.ids[d], "event_id": self.new_event_id(),
                   "ts": format_ts(self.start), "temperature": 0.0, "humidity": 0.0,
@@ -140,16 +155,112 @@ class Fleet:
         if variant == "not_json":
             return Message(topic, b"\xffnot json " + rng.randbytes(8).hex().encode(), None, "malformed")
         if variant == "truncated":
-            raw = _encode(record)
+            raw = encode(record)
             return Message(topic, raw[: rng.randrange(1, len(raw) - 1)], None, "malformed")
         if variant == "no_event_id":
             del record["event_id"]
-            return Message(topic, _encode(record), None, "malformed")
+            return Message(topic, encode(record), None, "malformed")
         del record["ts"]
-        return Message(topic, _encode(record), record["event_id"], "malformed")
+        return Message(topic, encode(record), record["event_id"], "malformed")
 
 
-def _encode(record: dict) -> bytes:
+class ModelPayloads:
+    """Readings shaped by any telemetry model: fields at their paths (nested objects built),
+    the event time in the model's format, each metric a random walk inside its range. Device
+    ids look like ``dev-7f3a`` (a prefix from ``ModelPayloads.prefix``)."""
+
+    prefix = "dev"
+
+    def __init__(self, model: TelemetryModel, rng: random.Random, devices: int) -> None:
+        if devices > 0xFFFF:
+            raise ValueError("at most 65535 simulated devices")
+        self.model, self.rng = model, rng
+        # an odd multiplier is a bijection mod 2^16: distinct, scattered 4-hex-digit ids
+        self.ids = [f"{self.prefix}-{(d + 1) * 0x9E37 & 0xFFFF:04x}" for d in range(devices)]
+        self.values = [[self._start(m) for m in model.metrics] for _ in range(devices)]
+
+    def _start(self, m) -> float:
+        lo, hi = m.min, m.max
+        if lo is not None and hi is not None:
+            return self.rng.uniform(lo + 0.3 * (hi - lo), lo + 0.7 * (hi - lo))
+        return self.rng.uniform(10.0, 50.0) + (lo or 0.0) if hi is None else hi - self.rng.uniform(10.0, 50.0)
+
+    def _time(self, ts_us: int) -> object:
+        fmt = self.model.event_time_format
+        if fmt == "epoch_s":
+            return ts_us // 1000 / 1000 if ts_us % 1_000_000 else ts_us // 1_000_000
+        if fmt == "epoch_ms":
+            return ts_us // 1000
+        if fmt == "epoch_us":
+            return ts_us
+        return format_ts(datetime.fromtimestamp(ts_us / 1e6, UTC))
+
+    def record(self, d: int, ts_us: int) -> tuple[dict, str | None]:
+        m, rng = self.model, self.rng
+        rec: dict = {}
+        event_id = None
+        if m.event_id_path:
+            event_id = f"{rng.getrandbits(128):032x}"
+            set_field(rec, m.event_id_path, event_id)
+        if m.device_id_path:
+            set_field(rec, m.device_id_path, self.ids[d])
+        if m.schema_version_path:
+            set_field(rec, m.schema_version_path, 1)
+        set_field(rec, m.event_time_path, self._time(ts_us))
+        vals = self.values[d]
+        for i, metric in enumerate(m.metrics):
+            lo, hi = metric.min, metric.max
+            span = (hi - lo) if lo is not None and hi is not None else 20.0
+            v = vals[i] + rng.gauss(0.0, 0.005 * span)
+            v = min(hi, v) if hi is not None else v
+            v = max(lo, v) if lo is not None else v
+            vals[i] = v
+            set_field(rec, metric.source, int(round(v)) if metric.type == "long" else round(v, 3))
+        if m.status_path:
+            set_field(rec, m.status_path, m.error_status if m.error_status and rng.random() < 0.01 else "ok")
+        return rec, event_id
+
+    def reading(self, d: int, ts_us: int) -> tuple[bytes, str | None]:
+        rec, event_id = self.record(d, ts_us)
+        payload = encode(rec)
+        if event_id is None:  # the id silver derives: device and raw payload
+            event_id = hashlib.md5(self.ids[d].encode() + b"\x00" + payload).hexdigest()
+        return payload, event_id
+
+    def malformed(self, d: int, variant: str, ts_us: int) -> bytes:
+        if variant == "not_json":
+            return b"\xffnot json " + self.rng.randbytes(8).hex().encode()
+        rec, _ = self.record(d, ts_us)
+        if variant == "truncated":
+            raw = encode(rec)
+            return raw[: self.rng.randrange(1, len(raw) - 1)]
+        path = self.model.event_id_path if variant == "no_event_id" and self.model.event_id_path \
+            else self.model.event_time_path
+        drop_field(rec, path)
+        return encode(rec)
+
+
+def _shape(model: TelemetryModel) -> dict:
+    """What of a model shapes payloads and topics (not its rules or suite)."""
+    return model.model_dump(exclude={"suite", "on_device_mismatch", "device_id_max_length",
+                                     "status_rules"})
+
+
+def set_field(rec: dict, path: str, value: object) -> None:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        rec = rec.setdefault(p, {})
+    rec[leaf] = value
+
+
+def drop_field(rec: dict, path: str) -> None:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        rec = rec.get(p, {})
+    rec.pop(leaf, None)
+
+
+def encode(record: dict) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode()
 
 

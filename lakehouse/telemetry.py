@@ -7,13 +7,17 @@ where the device id comes from (a payload field, a named part of the MQTT topic,
 which case they must agree). Silver parses by it, its table has one typed column per declared
 metric, and the default expectation suite is generated from it (``iotlake expectations``).
 
-The defaults describe the bundled simulator's environmental sensor, so a fresh checkout runs
-without any configuration; nothing else in the code assumes them.
+The default metrics and status rules (``telemetry_default.toml``) describe the bundled
+simulator's environmental sensor, so a fresh checkout runs without any configuration; no code
+assumes them.
 """
 
 from __future__ import annotations
 
 import re
+import tomllib
+from functools import lru_cache
+from importlib.resources import files
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -88,10 +92,17 @@ class StatusRule(_Model):
         return self
 
 
+@lru_cache(maxsize=1)
+def _defaults() -> dict:
+    return tomllib.loads(files("lakehouse").joinpath("telemetry_default.toml").read_text("utf-8"))
+
+
 def _default_metrics() -> list[Metric]:
-    return [Metric(name="temperature", unit="°C", min=-40.0, max=125.0),
-            Metric(name="humidity", unit="%", min=0.0, max=100.0),
-            Metric(name="battery", unit="%", min=0.0, max=100.0)]
+    return [Metric(**m) for m in _defaults()["metrics"]]
+
+
+def _default_rules() -> list[StatusRule]:
+    return [StatusRule(**r) for r in _defaults()["status_rules"]]
 
 
 class TelemetryModel(_Model):
@@ -120,8 +131,7 @@ class TelemetryModel(_Model):
     metrics: list[Metric] = Field(default_factory=_default_metrics, min_length=1)
     # Rules on gold metrics that make a device ``degraded``; a device reporting
     # ``error_status`` (in the status field) is degraded too ("" = never).
-    status_rules: list[StatusRule] = Field(default_factory=lambda: [
-        StatusRule(metric="battery", below=15.0, reason="battery_low")])
+    status_rules: list[StatusRule] = Field(default_factory=_default_rules)
     error_status: str = "error"
 
     @model_validator(mode="before")

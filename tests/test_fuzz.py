@@ -325,7 +325,8 @@ def test_fuzzed_payloads_are_all_accounted_for(settings: Settings, spark) -> Non
     assert len({r["event_id"] for r in rows}) == len(rows)
     for r in rows:
         assert re.fullmatch(r"[0-9a-f]{32}", r["event_id"]) and re.fullmatch(r"dev-\d{5}", r["device_id"])
-        assert r["event_time"] is not None and r["status"] in ("ok", "warn", "error")
+        # the suite judges status only when present (GX: only not_null fails on null)
+        assert r["event_time"] is not None and r["status"] in (None, "ok", "warn", "error")
         for m, (lo, hi) in {"temperature": (-40, 125), "humidity": (0, 100), "battery": (0, 100)}.items():
             assert r[m] is None or lo <= r[m] <= hi, (m, r[m])
     assert pc.all(pc.is_finite(silver.column("temperature"))).as_py() is not False
