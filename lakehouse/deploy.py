@@ -36,7 +36,9 @@ def is_local(master: str) -> bool:
 
 
 def _sources(root: Path) -> list[Path]:
-    files = [p for pkg in PACKAGES for p in (root / pkg).rglob("*.py") if "__pycache__" not in p.parts]
+    # modules and their data (the default telemetry model is a .toml the executors read too)
+    files = [p for pkg in PACKAGES for pattern in ("*.py", "*.toml") for p in (root / pkg).rglob(pattern)
+             if "__pycache__" not in p.parts]
     files += sorted((root / "expectations").glob("*.json"))
     return sorted(files)
 
