@@ -5,9 +5,8 @@ survives restarts):
 
 - each reading of each metric is scored by the streaming detector in ``gold/anomaly.py``,
   whose state (one per device and metric) lives in the device's state;
-- status per reading: ``degraded`` when a status rule of the telemetry model fires (e.g. low
-  battery), the device reports its error status, or a metric's anomaly score is high; else
-  ``online``;
+- status per reading: ``degraded`` when a status rule of the telemetry model fires, the
+  device reports its error status, or a metric's anomaly score is high; else ``online``;
 - an event-time timeout fires ``offline_after_seconds`` after the device's last reading once
   the watermark (driven by *other* devices' data) passes it: the device goes ``offline``.
 
@@ -477,8 +476,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
                          ("device_current", current)):
         ensure_table(spark, settings.table_path(name), schema)
     current_path = settings.table_path("device_current")
-    add_missing_columns(spark, current_path, current)  # a gold metric added to the model
-    current_columns = spark.read.format("delta").load(current_path).columns
+    current_columns = add_missing_columns(spark, current_path, current)  # a gold metric added
     writer = (
         health_frame(silver_stream(spark, settings, columns=health_input(settings.telemetry)),
                      settings).writeStream

@@ -57,15 +57,16 @@ def ensure_table(spark: SparkSession, path: str, schema: pa.Schema | StructType,
 
 def add_missing_columns(spark: SparkSession, path: str, schema: pa.Schema | StructType) -> list[str]:
     """Add the columns of ``schema`` the table lacks (nullable: older rows read null); columns
-    the table has beyond ``schema`` stay. Returns the names added."""
-    have = {f.name.lower() for f in spark.read.format("delta").load(path).schema.fields}
+    the table has beyond ``schema`` stay. Returns the table's columns afterwards."""
+    columns = spark.read.format("delta").load(path).columns
+    have = {c.lower() for c in columns}
     new = [f for f in spark_schema(schema).fields if f.name.lower() not in have]
     if new:
         cols = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in new)
         retry_conflicts(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({cols})"),
                         f"add columns to {path}")
         log.info("%s: added columns %s", path, [f.name for f in new])
-    return [f.name for f in new]
+    return columns + [f.name for f in new]
 
 
 def append(df: DataFrame, path: str, app_id: str, batch_id: int, schema_evolution: bool = False) -> None:

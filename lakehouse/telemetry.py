@@ -137,7 +137,7 @@ class TelemetryModel(_Model):
     @model_validator(mode="before")
     @classmethod
     def _rules_follow_metrics(cls, data: object) -> object:
-        """The default status rule (low battery) belongs to the default metrics: a model that
+        """The default status rules belong to the default metrics: a model that
         declares its own metrics starts with no rules."""
         if isinstance(data, dict) and "metrics" in data and "status_rules" not in data:
             return {**data, "status_rules": []}

@@ -17,7 +17,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import MapType, StringType
 
-from lakehouse.telemetry import TelemetryModel
+from lakehouse.telemetry import TelemetryModel, topic_parts
 
 SCHEMA_VERSION = 1
 _PAYLOAD = MapType(StringType(), StringType())
@@ -82,8 +82,6 @@ def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column
     """(device id, {topic part: value}) from the bridge's ``mqtt_topic`` header (the first header
     it writes), matched against the model's topic pattern; nulls when the record has no such
     header or its topic does not match."""
-    from lakehouse.telemetry import topic_parts
-
     names = topic_parts(model.topic_pattern)
     if not names:
         return None, {}
