@@ -1,12 +1,14 @@
-"""CPU of a short Spark process with the JVM's full tiered JIT vs. C1 only.
+"""CPU of a short Spark process: full tiered JIT vs. C1 only, with and without the class archive.
 
 The test suite starts dozens of Spark processes that live seconds to a minute (CLI backfills,
 role processes, Airflow tasks). The JVM's C2 compiler threads then compete with the work for
 the two cores. This bench runs the same ``iotlake backfill --layer silver --layer gold`` over a
 small bronze table (500 rows), alternating default JIT and ``-XX:TieredStopAtLevel=1``, and
-measures the wall time and the CPU of the whole process tree. Orphaned JVMs are counted too:
+measures the wall time and the CPU of the whole process tree. A third mode, C1 without the
+driver's class-data-sharing archive (``spark.class_data_sharing = false``), measures what the
+archive ``make`` builds saves. Orphaned JVMs are counted too:
 the launcher is a child subreaper. Last line: one JSON object with the medians and
-``cpu_ratio`` (default / C1).
+``cpu_ratio`` (default / C1) and ``archive_cpu_ratio`` (no archive / C1 with it).
 
     .venv/bin/python bench/jvm_startup.py [--runs 3]
 """
@@ -35,7 +37,9 @@ from lakehouse.settings import load_settings  # noqa: E402
 from tests.lakehouse_fixture import write_bronze  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36
-MODES = {"default": "", "c1": "-XX:TieredStopAtLevel=1"}
+#: mode -> (JAVA_TOOL_OPTIONS, lines added to the [spark] section of the config)
+MODES = {"default": ("", ""), "c1": ("-XX:TieredStopAtLevel=1", ""),
+         "c1_no_archive": ("-XX:TieredStopAtLevel=1", "class_data_sharing = false\n")}
 
 
 def build(root: Path) -> Path:
@@ -88,11 +92,12 @@ def main() -> None:
         build(template)
         results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
         for i in range(args.runs):
-            for mode, opts in modes.items():
+            for mode in modes:
                 root = tmp / f"{mode}-{i}"
                 shutil.copytree(template, root)
                 config = root / "iotlake.toml"  # the copy points at its own lake
-                config.write_text(config.read_text().replace(str(template), str(root)))
+                opts, spark_lines = modes[mode]
+                config.write_text(config.read_text().replace(str(template), str(root)) + spark_lines)
                 wall, cpu = run(config, opts, ("silver",) if args.smoke else ("silver", "gold"))
                 results[mode].append((wall, cpu))
                 print(f"{mode:8s} run {i}: wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
@@ -103,6 +108,9 @@ def main() -> None:
     if "default" in out:
         out["cpu_ratio"] = round(out["default"]["cpu_s"] / out["c1"]["cpu_s"], 2)
         out["wall_ratio"] = round(out["default"]["wall_s"] / out["c1"]["wall_s"], 2)
+    if "c1_no_archive" in out:
+        out["archive_cpu_ratio"] = round(out["c1_no_archive"]["cpu_s"] / out["c1"]["cpu_s"], 2)
+        out["archive_wall_ratio"] = round(out["c1_no_archive"]["wall_s"] / out["c1"]["wall_s"], 2)
     print(json.dumps(out))
 
 

@@ -40,3 +40,20 @@ def spark_jars() -> list[str]:
 
 def kafka_classpath() -> str:
     return str(jar_dir("kafka") / "*")
+
+
+def class_archive() -> Path:
+    """The driver JVM's class-data-sharing archive (``make`` builds it with
+    ``infra/jvm/class_archive.py``; a JVM that cannot use it, e.g. after a JDK or jar update,
+    starts without it)."""
+    return jars_root() / "cds" / "spark-driver.jsa"
+
+
+def driver_java_options(class_data_sharing: bool = True) -> str:
+    """JVM options of the Spark driver: log level, and the class archive when there is one."""
+    opts = "-Dlog4j2.level=WARN"
+    archive = class_archive()
+    if class_data_sharing and archive.is_file():
+        # -Xlog off: a stale archive is skipped silently rather than warned about on every start
+        opts += f" -XX:SharedArchiveFile={archive} -Xlog:cds=off -Xlog:cds+dynamic=off"
+    return opts

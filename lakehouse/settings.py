@@ -143,6 +143,9 @@ class SparkSettings(_Section):
     # Spark's FAIR scheduler with a pool per layer: bronze and silver tasks take the next free
     # task slot before gold's (lakehouse/fairscheduler.xml); false: one FIFO queue.
     fair_pools: bool = True
+    # start the driver JVM from the class archive `make` builds (.jars/cds, lakehouse.jars):
+    # Spark's classes mapped instead of parsed and verified in every new process
+    class_data_sharing: bool = True
     conf: dict[str, str] = Field(default_factory=dict)
 
 

@@ -52,7 +52,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         # pandas 2.x warns at every applyInPandasWithState batch (gold health) about a concat
         # inside pyspark's own worker.py, not our code: one line per batch in `iotlake run`
         .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker")
-        .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=WARN")
+        .config("spark.driver.extraJavaOptions", jars.driver_java_options(settings.spark.class_data_sharing))
         .config("spark.jars", ",".join(jars.spark_jars()))
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
         .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")

@@ -126,3 +126,21 @@ def test_embedded_kafka_controller_port_never_collides() -> None:
     assert kafka_controller_port(s, 29092) == 29093 and kafka_controller_port(s, 29192) == 29193
     s = load_settings(environ={"IOTLAKE_KAFKA__EMBEDDED_CONTROLLER_PORT": "40000"})
     assert kafka_controller_port(s, 19092) == 40000
+
+
+def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, monkeypatch,
+                                                               spark) -> None:
+    from lakehouse import jars
+
+    monkeypatch.setenv("IOTLAKE_JARS_DIR", str(tmp_path))
+    assert jars.driver_java_options() == "-Dlog4j2.level=WARN"  # no archive: plain start
+    archive = jars.class_archive()
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(b"")
+    assert f"-XX:SharedArchiveFile={archive}" in jars.driver_java_options()
+    assert jars.driver_java_options(class_data_sharing=False) == "-Dlog4j2.level=WARN"
+    # the suite's own driver was started with the archive `make` built, when there is one
+    monkeypatch.delenv("IOTLAKE_JARS_DIR")
+    args = list(spark._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    built = jars.class_archive().is_file()
+    assert any(a == f"-XX:SharedArchiveFile={jars.class_archive()}" for a in args) == built, args
