@@ -81,7 +81,7 @@ class Fleet:
         self.model = settings.telemetry
         # the model of the bundled sensor takes the fast path below; any other, ModelPayloads
         self.custom = None if _shape(self.model) == _shape(TelemetryModel()) else \
-            ModelPayloads(self.model, rng, devices)
+            ModelPayloads(self.model, rng, devices, settings.simulator.device_prefix)
         self.ids = self.custom.ids if self.custom else [device_id(d) for d in range(devices)]
         self.topics = [device_topic(settings, i, d) for d, i in enumerate(self.ids)]
         self.count = [0] * devices
@@ -167,16 +167,15 @@ class Fleet:
 class ModelPayloads:
     """Readings shaped by any telemetry model: fields at their paths (nested objects built),
     the event time in the model's format, each metric a random walk inside its range. Device
-    ids look like ``dev-7f3a`` (a prefix from ``ModelPayloads.prefix``)."""
+    ids look like ``pump-7f3a`` (the prefix is ``simulator.device_prefix``)."""
 
-    prefix = "dev"
-
-    def __init__(self, model: TelemetryModel, rng: random.Random, devices: int) -> None:
+    def __init__(self, model: TelemetryModel, rng: random.Random, devices: int,
+                 prefix: str = "dev") -> None:
         if devices > 0xFFFF:
             raise ValueError("at most 65535 simulated devices")
         self.model, self.rng = model, rng
         # an odd multiplier is a bijection mod 2^16: distinct, scattered 4-hex-digit ids
-        self.ids = [f"{self.prefix}-{(d + 1) * 0x9E37 & 0xFFFF:04x}" for d in range(devices)]
+        self.ids = [f"{prefix}-{(d + 1) * 0x9E37 & 0xFFFF:04x}" for d in range(devices)]
         self.values = [[self._start(m) for m in model.metrics] for _ in range(devices)]
 
     def _start(self, m) -> float:

@@ -251,6 +251,12 @@ class StorageSettings(_Section):
 _STORAGE_SECRETS = ("access_key_id", "secret_access_key", "session_token")
 
 
+class SimulatorSettings(_Section):
+    """The stand-in devices of `iotlake simulate` / `run --simulate` (never read by the pipeline)."""
+    # ids of simulated devices under a model other than the bundled one: "<prefix>-<4 hex>"
+    device_prefix: str = Field("dev", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
+
+
 class Settings(_Section):
     data_root: str = "./data"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -263,6 +269,7 @@ class Settings(_Section):
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     telemetry: TelemetryModel = Field(default_factory=TelemetryModel)
     storage: StorageSettings = Field(default_factory=StorageSettings)
+    simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
     _pinned: str | None = PrivateAttr(default=None)
 
     @field_validator("data_root")

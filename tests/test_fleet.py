@@ -293,7 +293,8 @@ def test_pump_fleet_end_to_end(settings, spark) -> None:
     model = {**PUMP, "topic_pattern": f"{prefix}/plant/{{site}}/{{device_id}}/telemetry",
              "status_rules": [{"metric": "pressure", "below": 0.5, "reason": "low_pressure"}]}
     s = load_settings(environ={}, **{**json.loads(settings.model_dump_json()), "telemetry": model,
-                                     "mqtt": {**settings.mqtt.model_dump(), "topic_filter": ""}})
+                                     "mqtt": {**settings.mqtt.model_dump(), "topic_filter": ""},
+                                     "simulator": {"device_prefix": "pump"}})
     s.mqtt.topic_filter = s.telemetry.topic_filter
     start = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
     result = demo(s, events=600, devices=6, duplicates=15, malformed=6, timeout=300, start=start)
@@ -306,7 +307,7 @@ def test_pump_fleet_end_to_end(settings, spark) -> None:
     silver = DeltaTable(s.table_path("silver")).to_pandas()
     assert set(silver.event_id) == {m.event_id for m in valid}  # derived ids: device + payload
     assert set(silver.site) == {"site-0", "site-1", "site-2"}
-    assert silver.device_id.str.fullmatch(r"dev-[0-9a-f]{4}").all() and silver.device_id.nunique() == 6
+    assert silver.device_id.str.fullmatch(r"pump-[0-9a-f]{4}").all() and silver.device_id.nunique() == 6
     assert silver.rpm.dtype == "int64" and silver.pressure.between(0, 40).all()
     scored = DeltaTable(s.table_path("readings_scored")).to_pandas()
     assert len(scored) == 579 * 4 and set(scored.metric) == {"pressure", "flow", "vibration", "rpm"}

@@ -35,6 +35,8 @@ def test_bad_value_is_named() -> None:
         load_settings(environ={"IOTLAKE_STREAM__WATERMARK_SECONDS": "ten minutes"})
     with pytest.raises(SettingsError, match=r"setting 'kafka.partitions'"):
         load_settings(environ={}, kafka={"partitions": 0})
+    with pytest.raises(SettingsError, match=r"setting 'simulator.device_prefix'"):
+        load_settings(environ={}, simulator={"device_prefix": "a/b"})  # a topic level of its own
 
 
 def test_password_never_echoed() -> None:
