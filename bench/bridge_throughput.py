@@ -35,6 +35,8 @@ from orchestration.services import embedded_services, free_port
 
 DEVICES = 10
 PAD = 150
+#: seconds without a new Kafka record that mean the subscriber is done (--smoke: shorter)
+QUIET_S = 3.0
 
 
 def payload(seq: int, sent_ns: int = 0) -> bytes:
@@ -168,8 +170,9 @@ def watermarks(c: Consumer, topic: str) -> int:
     return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts)
 
 
-def wait_drained(s: Settings, quiet: float = 3.0, timeout: float = 600.0) -> None:
+def wait_drained(s: Settings, quiet: float | None = None, timeout: float = 600.0) -> None:
     """Until the topic stops growing for ``quiet`` seconds (the subscriber may still be working)."""
+    quiet = QUIET_S if quiet is None else quiet
     c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": "bench-wm"})
     try:
         last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
@@ -184,7 +187,8 @@ def wait_drained(s: Settings, quiet: float = 3.0, timeout: float = 600.0) -> Non
         c.close()
 
 
-def read_all(s: Settings, idle: float = 3.0) -> Iterator:
+def read_all(s: Settings, idle: float | None = None) -> Iterator:
+    idle = QUIET_S if idle is None else idle
     c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"bench-{time.time_ns()}",
                   "enable.auto.commit": False})
     try:
@@ -332,6 +336,8 @@ def main() -> int:
     if args.smoke:
         args.messages, args.rate, args.latency_seconds, args.warmup_seconds = 1500, 500.0, 2.0, 0.5
         args.bridge_instances = 0
+        global QUIET_S
+        QUIET_S = 1.5
     args.kafka_port = args.kafka_port or free_port(pair=True)
     args.mqtt_port = args.mqtt_port or free_port()
     why = ensure_tools()
