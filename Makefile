@@ -45,7 +45,7 @@ $(JARS)/kafka/.resolved: infra/jvm/kafka-broker.pom.xml
 
 # The Spark driver's class archive (a short demo run records the classes it loads): every later
 # Spark process starts ~10% cheaper (bench/jvm_startup.py). Rebuilt when the jars change.
-$(CDS): $(JARS)/spark/.resolved $(STAMP)
+$(CDS): $(JARS)/spark/.resolved $(JARS)/kafka/.resolved | $(STAMP)
 	$(BIN)/python infra/jvm/class_archive.py $@
 
 $(STAMP): pyproject.toml
