@@ -35,19 +35,8 @@ one flag per anomalous episode, which keeps detections sparse (NAB charges every
 The price: while an episode lasts (at most ~``accept_after`` readings for a level change) a
 second, different anomaly on the same key is not flagged, though its score is still reported.
 
-Why this method (evidence: ``bench/anomaly_quality.py`` on 12 labelled NAB series, one shared
-configuration): a robust EWMA z-score alone flagged every daily on/off transition of the
-seasonal series and every burst of the spiky ones (NAB score < 0); per-time-of-day scales fixed
-the transitions, the time-of-day profile caught the missing/extra daily peaks, asymmetric
-tail-quantile scales silenced normal bursts (CPU, load balancer) while keeping drops visible,
-the slow model caught the machine-temperature slides, and per-episode flagging removed most
-repeated false positives (together ~64). Feeding the slow model the smoother level ``M``
-instead of ``L`` cost ~1.5 NAB points but halved false flags on heavy-tailed pure noise, so it
-stays. A windowed Gaussian z-score scores ~19 at its best threshold. Defaults sit on a plateau:
-single-knob perturbations (``--sensitivity``) keep the score within about 55-65. Known misses:
-a rising *rate* of spikes of normal size (art_increase_spike_density) and the slow, seasonal-
-looking ambient-temperature anomalies. Heavy-tailed noise is flagged at its extreme draws only
-(pure Gaussian noise: no flag in 10 x 20k readings; t(8): ~1 per 10k).
+Why this method, the evidence for it and its known misses: docs/anomaly.md.
+
 State: 18 scalars + 4 x ``season_bins`` floats (210 doubles with the defaults).
 
 The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,

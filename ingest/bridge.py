@@ -116,9 +116,8 @@ class Bridge:
         self._routes: dict[str, str | None] = {}
         self._default_topic = settings.kafka.topic
         self._dlq_topic = settings.kafka.dead_letter_topic
-        model = settings.telemetry  # its device level, when the bridge subscribes to its pattern
-        self._dev_level = device_index(settings.mqtt.topic_filter, model.device_level
-                                       if settings.mqtt.topic_filter == model.topic_filter else None)
+        self._dev_level = device_index(settings.mqtt.topic_filter, settings.telemetry.device_level
+                                       if settings.subscribes_to_model else None)
         flt = settings.mqtt.topic_filter
         self.subscription = f"$share/{b.share_group}/{flt}" if b.instances > 1 else flt
         self._pending: deque[_Entry] = deque()

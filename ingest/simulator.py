@@ -48,10 +48,10 @@ def device_topic(settings: Settings, device: str, index: int = 0) -> str:
     """The MQTT topic a device publishes to: the telemetry model's topic pattern with the device
     and its other parts filled in (``site-0`` .. ``site-2``), or, when ``mqtt.topic_filter`` is
     set apart from the pattern, the filter with its ``+`` replaced."""
-    model, flt = settings.telemetry, settings.mqtt.topic_filter
-    if flt == model.topic_filter and topic_parts(model.topic_pattern):
-        return model.topic_pattern.format_map(
-            {n: device if n == "device_id" else f"{n}-{index % 3}" for n in topic_parts(model.topic_pattern)})
+    pattern, flt = settings.telemetry.topic_pattern, settings.mqtt.topic_filter
+    parts = topic_parts(pattern)
+    if settings.subscribes_to_model and parts:
+        return pattern.format_map({n: device if n == "device_id" else f"{n}-{index % 3}" for n in parts})
     if flt.count("+") != 1 or "#" in flt:
         raise ValueError(f"mqtt.topic_filter {flt!r} must contain exactly one '+' (the device id) and no '#'")
     return flt.replace("+", device)
@@ -78,10 +78,10 @@ class Fleet:
         self.start = start.replace(microsecond=start.microsecond // 1000 * 1000)
         self.interval = timedelta(seconds=devices / rate)
         self.rng = rng
-        self.model = settings.telemetry
         # the model of the bundled sensor takes the fast path below; any other, ModelPayloads
-        self.custom = None if _shape(self.model) == _shape(TelemetryModel()) else \
-            ModelPayloads(self.model, rng, devices, settings.simulator.device_prefix)
+        model = settings.telemetry
+        self.custom = None if _shape(model) == _shape(TelemetryModel()) else \
+            ModelPayloads(model, rng, devices, settings.simulator.device_prefix)
         self.ids = self.custom.ids if self.custom else [device_id(d) for d in range(devices)]
         self.topics = [device_topic(settings, i, d) for d, i in enumerate(self.ids)]
         self.count = [0] * devices

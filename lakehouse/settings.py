@@ -291,6 +291,12 @@ class Settings(_Section):
             self.mqtt.topic_filter = self.telemetry.topic_filter
         return self
 
+    @property
+    def subscribes_to_model(self) -> bool:
+        """The bridge's MQTT filter is the one the telemetry model's topic pattern names (so the
+        pattern's levels locate the device in a topic)."""
+        return self.mqtt.topic_filter == self.telemetry.topic_filter
+
     @model_validator(mode="after")
     def _checkpoints_on_a_filesystem(self) -> Settings:
         if is_uri(self.data_root) and not self.storage.checkpoint_root:
