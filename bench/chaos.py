@@ -26,7 +26,7 @@ from chaos_harness import ChaosConfig, run_chaos, summary_line  # noqa: E402
 
 #: ``--smoke``: a minute or two on a 2-core machine, every kind of disruption once or more.
 SMOKE = dict(kills=3, rate=40.0, devices=10, seed=8, roles="bridge,streams", mosquitto_outages=1,
-             kafka_outages=1, interval=(3.0, 6.0), downtime=(0.5, 2.0), ready_timeout=90.0,
+             kafka_outages=1, interval=(2.0, 4.0), downtime=(0.5, 2.0), ready_timeout=90.0,
              drain_timeout=300.0, event_time_speedup=20.0, compactions=1,
              compact_tables="bronze,silver,gold_metrics_1m")  # streams read two, one is MERGEd
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                       event_time_speedup=args.event_time_speedup, compactions=args.compactions,
                       compact_tables=tuple(args.compact_tables.split(",")) if args.compact_tables else None)
     if args.smoke:  # a short load around the disruptions; 2 s triggers: fewer, fuller batches
-        cfg = replace(cfg, warmup_seconds=3, tail_seconds=3, trigger_seconds=2.0)
+        cfg = replace(cfg, warmup_seconds=2, tail_seconds=2, trigger_seconds=2.0)
     result = run_chaos(cfg)
     print(json.dumps(result["detail"]), file=sys.stderr)
     line = {k: v for k, v in result.items() if k != "detail"}

@@ -59,7 +59,7 @@ def main() -> None:
                     help="a short run at a low rate that checks the bench still works")
     args = ap.parse_args()
     if args.smoke:
-        args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 15, 5, 2
+        args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 8, 2, 2
     spark_opts = {"shuffle_partitions": args.shuffle_partitions} if args.shuffle_partitions else {}
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
@@ -96,7 +96,7 @@ def main() -> None:
         watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
         watcher.start()
         _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
-        time.sleep(15)  # let the last probes arrive
+        time.sleep(5 if args.smoke else 15)  # let the last probes arrive
         stop.set()
         watcher.join()
         cpu_to = _cpu_by_role()

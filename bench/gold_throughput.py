@@ -47,9 +47,9 @@ STEP_S = 10  # every device reports every STEP_S seconds of event time
 MODEL = TelemetryModel()
 
 
-def settings_for(root: Path, max_files: int) -> Settings:
+def settings_for(root: Path, max_files: int, conf: dict[str, str] | None = None) -> Settings:
     return load_settings(environ={}, data_root=str(root),
-                         spark={"master": "local[2]", "shuffle_partitions": 2},
+                         spark={"master": "local[2]", "shuffle_partitions": 2, "conf": conf or {}},
                          gold={"max_files_per_trigger": max_files, "max_bytes_per_trigger": 0},
                          telemetry=MODEL.model_dump())
 
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-windows", action="store_true")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="sensor",
                     help="whose readings: the bundled sensor's, or examples/pump.toml's model")
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Spark conf (repeatable), as iotlake.toml's [spark.conf] gives it")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args(argv)
     global MODEL
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.devices, args.readings, args.commits, args.scaling = 20, 2_000, 2, ""
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
-    spark = spark_session(settings_for(root / "spark", args.max_files), app_name="iotlake-gold-bench")
+    conf = dict(c.split("=", 1) for c in args.conf)
+    spark = spark_session(settings_for(root / "spark", args.max_files, conf), app_name="iotlake-gold-bench")
     try:
         load0 = os.getloadavg()
         main_run = bench_devices(spark, root, args.devices, args, windows=not args.skip_windows)

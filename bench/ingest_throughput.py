@@ -130,6 +130,11 @@ def rates(q: StreamingQuery, wall: float, cpu: CpuSampler) -> dict:
         "rows_per_s_steady": round(steady_rows / steady_ms * 1000) if steady_ms else None,
         "first_batch_ms": prog[0]["durationMs"]["triggerExecution"] if prog else None,
         "batch_ms": [p["durationMs"]["triggerExecution"] for p in prog],
+        # where a steady batch's time goes: addBatch is the write (tasks and the Delta commit),
+        # the rest is the driver's own bookkeeping (offset and commit logs, offset lookups)
+        "phase_ms_mean": {k: round(sum(p["durationMs"].get(k, 0) for p in rest) / len(rest))
+                          for k in ("addBatch", "walCommit", "commitOffsets", "latestOffset",
+                                    "queryPlanning", "getBatch")} if rest else None,
     }
     if rest:
         t0 = datetime.fromisoformat(rest[0]["timestamp"].replace("Z", "+00:00")).timestamp()

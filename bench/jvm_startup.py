@@ -39,7 +39,8 @@ from tests.lakehouse_fixture import write_bronze  # noqa: E402
 PR_SET_CHILD_SUBREAPER = 36
 #: mode -> (JAVA_TOOL_OPTIONS, lines added to the [spark] section of the config)
 MODES = {"default": ("", ""), "c1": ("-XX:TieredStopAtLevel=1", ""),
-         "c1_no_archive": ("-XX:TieredStopAtLevel=1", "class_data_sharing = false\n")}
+         "c1_no_archive": ("-XX:TieredStopAtLevel=1", "class_data_sharing = false\n"),
+         "c1_serial_gc": ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", "")}
 
 
 def build(root: Path) -> Path:
@@ -79,9 +80,14 @@ def run(config: Path, java_options: str, layers: tuple[str, ...] = ("silver", "g
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per mode (alternating)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated modes to alternate (default: all of {', '.join(MODES)})")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args()
-    modes = MODES
+    unknown = set(args.modes.split(",")) - MODES.keys()
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    modes = {m: MODES[m] for m in args.modes.split(",")}
     if args.smoke:  # one run, C1 only, silver only: checks the bench works, measures nothing
         args.runs, modes = 1, {"c1": MODES["c1"]}
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -100,15 +106,18 @@ def main() -> None:
                 config.write_text(config.read_text().replace(str(template), str(root)) + spark_lines)
                 wall, cpu = run(config, opts, ("silver",) if args.smoke else ("silver", "gold"))
                 results[mode].append((wall, cpu))
-                print(f"{mode:8s} run {i}: wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+                print(f"{mode:13s} run {i}: wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out = {m: {"wall_s": round(statistics.median(w for w, _ in r), 2),
                "cpu_s": round(statistics.median(c for _, c in r), 2)} for m, r in results.items()}
-    if "default" in out:
+    if "default" in out and "c1" in out:
         out["cpu_ratio"] = round(out["default"]["cpu_s"] / out["c1"]["cpu_s"], 2)
         out["wall_ratio"] = round(out["default"]["wall_s"] / out["c1"]["wall_s"], 2)
-    if "c1_no_archive" in out:
+    if "c1_serial_gc" in out and "c1" in out:
+        out["serial_gc_cpu_ratio"] = round(out["c1_serial_gc"]["cpu_s"] / out["c1"]["cpu_s"], 2)
+        out["serial_gc_wall_ratio"] = round(out["c1_serial_gc"]["wall_s"] / out["c1"]["wall_s"], 2)
+    if "c1_no_archive" in out and "c1" in out:
         out["archive_cpu_ratio"] = round(out["c1_no_archive"]["cpu_s"] / out["c1"]["cpu_s"], 2)
         out["archive_wall_ratio"] = round(out["c1_no_archive"]["wall_s"] / out["c1"]["wall_s"], 2)
     print(json.dumps(out))
