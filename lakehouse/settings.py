@@ -146,6 +146,11 @@ class SparkSettings(_Section):
     # start the driver JVM from the class archive `make` builds (.jars/cds, lakehouse.jars):
     # Spark's classes mapped instead of parsed and verified in every new process
     class_data_sharing: bool = True
+    # Spark compiles the expressions of every task (projections, orderings: Java source built,
+    # cleaned with regexes, looked up or compiled by Janino) even when the compiled class is
+    # cached: small micro-batches never earn that back. false: interpreted expressions
+    # (whole-stage code generation stays). docs/benchmarks.md, session 14.
+    expression_codegen: bool = False
     conf: dict[str, str] = Field(default_factory=dict)
 
 

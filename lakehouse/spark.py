@@ -61,6 +61,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         # a Delta snapshot's state is small here: 50 shuffle tasks per log replay cost more
         .config("spark.databricks.delta.snapshotPartitions", "2")
     )
+    if not settings.spark.expression_codegen:
+        b = b.config("spark.sql.codegen.factoryMode", "NO_CODEGEN")
     if settings.spark.fair_pools:
         b = (b.config("spark.scheduler.mode", "FAIR")
              .config("spark.scheduler.allocation.file", str(FAIR_POOLS)))

@@ -146,3 +146,21 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     args = list(spark._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
     built = jars.class_archive().is_file()
     assert any(a == f"-XX:SharedArchiveFile={jars.class_archive()}" for a in args) == built, args
+
+
+def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
+    """``spark.expression_codegen`` (default false) is Spark's expression factory mode; a query
+    gives the same rows either way."""
+    from lakehouse.settings import load_settings
+
+    assert spark.conf.get("spark.sql.codegen.factoryMode") == "NO_CODEGEN"
+    assert load_settings(environ={}).spark.expression_codegen is False
+    assert load_settings(environ={"IOTLAKE_SPARK__EXPRESSION_CODEGEN": "true"}).spark.expression_codegen
+    df = spark.range(1000).selectExpr("id % 7 AS k", "id * 1.5 AS v").groupBy("k").sum("v").orderBy("k")
+    interpreted = [tuple(r) for r in df.collect()]
+    spark.conf.set("spark.sql.codegen.factoryMode", "FALLBACK")
+    try:
+        assert [tuple(r) for r in df.collect()] == interpreted
+    finally:
+        spark.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
+    assert interpreted[0] == (0, sum(i * 1.5 for i in range(0, 1000, 7)))
