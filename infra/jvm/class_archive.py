@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lakehouse.jars import driver_java_options
 from orchestration.services import free_port
 
 
@@ -32,9 +33,9 @@ def build(target: Path) -> int:
             "kafka": {"embedded_port": free_port(pair=True)},
             "mqtt": {"embedded_port": free_port()},
             "observability": {"metrics_port": 0},
-            "spark": {"master": "local[2]", "class_data_sharing": False,
-                      "conf": {"spark.driver.extraJavaOptions":
-                               f"-Dlog4j2.level=WARN -XX:ArchiveClassesAtExit={dump}"}},
+            # the driver's usual options, recording instead of using an archive
+            "spark": {"master": "local[2]", "conf": {"spark.driver.extraJavaOptions":
+                      f"{driver_java_options(class_data_sharing=False)} -XX:ArchiveClassesAtExit={dump}"}},
         }))
         env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
         env["IOTLAKE_CONFIG"] = str(config)
