@@ -170,8 +170,9 @@ def watermarks(c: Consumer, topic: str) -> int:
     return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts)
 
 
-def wait_drained(s: Settings, quiet: float | None = None, timeout: float = 600.0) -> None:
-    """Until the topic stops growing for ``quiet`` seconds (the subscriber may still be working)."""
+def wait_drained(s: Settings, quiet: float | None = None, timeout: float = 600.0) -> int:
+    """Until the topic stops growing for ``quiet`` seconds (the subscriber may still be working);
+    the number of records it then holds."""
     quiet = QUIET_S if quiet is None else quiet
     c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": "bench-wm"})
     try:
@@ -181,24 +182,26 @@ def wait_drained(s: Settings, quiet: float | None = None, timeout: float = 600.0
             if wm != last:
                 last, since = wm, time.monotonic()
             elif wm > 0 and time.monotonic() - since > quiet:
-                return
+                return wm
             time.sleep(0.25)
     finally:
         c.close()
+    raise TimeoutError(f"{s.kafka.topic} still growing after {timeout:.0f} s")
 
 
-def read_all(s: Settings, idle: float | None = None) -> Iterator:
+def read_all(s: Settings, idle: float | None = None, total: int | None = None) -> Iterator:
+    """Every record of the topic: ``total`` of them when known, else until none for ``idle`` s."""
     idle = QUIET_S if idle is None else idle
     c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"bench-{time.time_ns()}",
                   "enable.auto.commit": False})
     try:
         parts = c.list_topics(s.kafka.topic, timeout=10).topics[s.kafka.topic].partitions
         c.assign([TopicPartition(s.kafka.topic, p, -2) for p in parts])
-        last = time.monotonic()
-        while time.monotonic() - last < idle:
+        last, got = time.monotonic(), 0
+        while time.monotonic() - last < idle and got != total:
             for m in c.consume(10_000, 0.5):
                 if not m.error():
-                    last = time.monotonic()
+                    last, got = time.monotonic(), got + 1
                     yield m
     finally:
         c.close()
@@ -217,12 +220,12 @@ def capacity(kind: str, s: Settings, n: int, workdir: Path, instances: int = 1) 
     t = time.monotonic()
     sub.start()
     try:
-        wait_drained(s)
+        total = wait_drained(s)
     finally:
         sub.stop()
     wall = time.monotonic() - t
     seen, ts = set(), []
-    for m in read_all(s):
+    for m in read_all(s, total=total):
         seen.add(json.loads(m.value())["seq"])
         ts.append(m.timestamp()[1])
     span = (max(ts) - min(ts)) / 1000 if ts else float("nan")
@@ -279,8 +282,13 @@ def latency(kind: str, s: Settings, rate: float, seconds: float, warmup: float,
                 time.sleep(delay)
             pub.send(i, payload(i, time.time_ns()), flush=True)
         pub.close()
-        deadline = time.monotonic() + 30
+        # every record in, or none for QUIET_S (the baseline pipeline drops a few at times)
+        deadline, seen, since = time.monotonic() + 30, -1, time.monotonic()
         while len(lat_ms) < n and time.monotonic() < deadline:
+            if len(lat_ms) != seen:
+                seen, since = len(lat_ms), time.monotonic()
+            elif time.monotonic() - since > QUIET_S:
+                break
             time.sleep(0.1)
     finally:
         stop.set()
