@@ -14,6 +14,10 @@ DEVICES ?= 50
 .PHONY: run demo test test-deps bench lint airflow dashboard install system-deps jars clean
 JARS   := .jars
 CDS    := $(JARS)/cds/spark-driver.jsa
+# A Sparkplug B edge node for the tests: Eclipse Tahu's protocol spoken by a library not ours
+# (pysparkplug). It pins paho-mqtt<2, iotlake uses paho-mqtt 2: a venv of its own.
+EDGE_VENV  := .venv-edge
+EDGE_STAMP := $(EDGE_VENV)/.installed
 MVN    := mvn -q -B
 
 run: install            ## live pipeline on embedded Mosquitto + Apache Kafka, simulated devices; Ctrl-C stops
@@ -22,7 +26,7 @@ run: install            ## live pipeline on embedded Mosquitto + Apache Kafka, s
 demo: install           ## bounded run: publish events, wait for gold, print accounting JSON
 	$(BIN)/iotlake demo --events 5000 --devices 20
 
-test: install test-deps ## the whole test suite (real brokers, real Spark, real Delta files)
+test: install test-deps $(EDGE_STAMP) ## the whole test suite (real brokers, real Spark, real Delta files)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40
 
 lint: install
@@ -53,6 +57,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	@touch $(STAMP)
+
+$(EDGE_STAMP):
+	@test -x $(EDGE_VENV)/bin/python || $(PYTHON) -m venv $(EDGE_VENV)
+	$(EDGE_VENV)/bin/python -m pip install -q 'pysparkplug==0.6.1' 'paho-mqtt>=1.6,<2'
+	@touch $@
 
 system-deps:
 	@missing=""; \
