@@ -40,6 +40,7 @@ from ingest.mqtt_client import BufferedClient
 from ingest.simulator import mqtt_client
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings, SettingsError, load_settings
+from lakehouse.sparkplug import NAMESPACE as SPARKPLUG
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,9 @@ class Bridge:
         self._dlq_topic = settings.kafka.dead_letter_topic
         self._dev_level = device_index(settings.mqtt.topic_filter, settings.telemetry.device_level
                                        if settings.subscribes_to_model else None)
-        flt = settings.mqtt.topic_filter
-        self.subscription = f"$share/{b.share_group}/{flt}" if b.instances > 1 else flt
+        filters = (settings.mqtt.topic_filter, *settings.telemetry.sparkplug_filters)
+        self.subscriptions = [f"$share/{b.share_group}/{f}" if b.instances > 1 else f for f in filters]
+        self.subscription = ", ".join(self.subscriptions)
         self._pending: deque[_Entry] = deque()
         # Per-round delivery reports (``_flush_round``): unconfirmed records per (topic,
         # partition), partition counts of the target topics, the round being read.
@@ -231,9 +233,9 @@ class Bridge:
             log.info("bridge %s: new MQTT session (nothing was queued for us)", self.bridge_id)
         if self._v5:  # retainHandling=1: retained messages only for a new subscription
             opts = SubscribeOptions(qos=self.settings.mqtt.qos, retainHandling=1)
-            client.subscribe(self.subscription, options=opts)
+            client.subscribe([(f, opts) for f in self.subscriptions])
         else:
-            client.subscribe(self.subscription, qos=self.settings.mqtt.qos)
+            client.subscribe([(f, self.settings.mqtt.qos) for f in self.subscriptions])
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         bad = [rc for rc in reason_codes if rc.is_failure]
@@ -418,9 +420,12 @@ class Bridge:
         return target
 
     def _key(self, topic: str) -> bytes | None:
+        levels = topic.split("/")
+        if levels[0] == SPARKPLUG and len(levels) >= 4:
+            # an edge node's messages keep their order: one key (partition) per node
+            return f"{levels[1]}/{levels[3]}".encode()
         if self._dev_level is None:
             return None
-        levels = topic.split("/")
         return levels[self._dev_level].encode() if len(levels) > self._dev_level else None
 
     # ---- Kafka ---------------------------------------------------------------------------

@@ -133,6 +133,11 @@ class TelemetryModel(_Model):
     # ``error_status`` (in the status field) is degraded too ("" = never).
     status_rules: list[StatusRule] = Field(default_factory=_default_rules)
     error_status: str = "error"
+    # Also take Sparkplug B messages (``spBv1.0/{group}/{type}/{edge_node}[/{device}]``):
+    # a metric's ``path`` is then its Sparkplug metric name, the device id is
+    # ``group/edge_node/device`` (``group/edge_node`` for a node's own metrics). docs/sparkplug.md
+    sparkplug: bool = False
+    sparkplug_groups: list[str] = Field(default_factory=lambda: ["+"])  # group ids, or + for all
 
     @model_validator(mode="before")
     @classmethod
@@ -217,6 +222,11 @@ class TelemetryModel(_Model):
         levels = ["([^/]+)" if _PART.fullmatch(level) else re.escape(level)
                   for level in self.topic_pattern.split("/")]
         return "^" + "/".join(levels) + "$"
+
+    @property
+    def sparkplug_filters(self) -> tuple[str, ...]:
+        """MQTT subscriptions for the Sparkplug groups (none when Sparkplug is off)."""
+        return tuple(f"spBv1.0/{g}/#" for g in self.sparkplug_groups) if self.sparkplug else ()
 
     def payload_fields(self) -> set[str]:
         """Top-level payload fields the model reads (the rest of a payload goes to ``extra``)."""

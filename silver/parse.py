@@ -34,6 +34,8 @@ def parse_checks(model: TelemetryModel = _DEFAULT) -> tuple[tuple[str, str], ...
     checks += [(f"wrong_type:{m.name}", m.source) for m in model.metrics]
     if model.schema_version_path:
         checks.append(("wrong_type:schema_version", model.schema_version_path))
+    if model.sparkplug:
+        checks += [("not_sparkplug", "value"), ("unknown_alias", "metrics")]
     return tuple(checks)
 
 

@@ -18,10 +18,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lakehouse.sparkplug import BIRTHS, NUMERIC_TYPES, Topic, metric_value, payload_class
+import pandas as pd
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+from pyspark.sql.types import StructType
+
+from lakehouse.sparkplug import (
+    BIRTHS,
+    NAMESPACE,
+    NUMERIC_TYPES,
+    Topic,
+    metric_value,
+    parse_topic,
+    payload_class,
+)
+from lakehouse.telemetry import TelemetryModel
 
 
 def event_id(topic: str, payload: bytes) -> str:
@@ -33,8 +49,7 @@ def event_id(topic: str, payload: bytes) -> str:
 class Output:
     """What one edge node's messages produced."""
 
-    readings: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)  # births and deaths, for status
+    readings: list[dict[str, Any]] = field(default_factory=list)  # one per message
     seq_gaps: int = 0
     rebirth: bool = False  # the node should be asked for a new NBIRTH
 
@@ -58,34 +73,40 @@ class EdgeNodeState:
         return cls({int(a): (dev, n) for a, dev, n in d["aliases"]}, d["seq"])
 
     def apply(self, topic: Topic, raw: bytes, metrics: dict[str, str], out: Output,
-              topic_text: str | None = None, coords: dict[str, Any] | None = None) -> None:
-        """Process one message of this node; ``metrics``: Sparkplug metric name -> model metric."""
-        base = {"device_id": topic.device_id, "sparkplug_group": topic.group,
-                "sparkplug_node": topic.node, "message_type": topic.type, **(coords or {})}
-        if topic.type in ("NCMD", "DCMD"):
-            return
+              topic_text: str | None = None) -> dict[str, Any]:
+        """Process one message of this node: exactly one row (so silver's accounting holds),
+        also appended to ``out.readings``. ``metrics``: Sparkplug metric name -> model metric.
+
+        ``status`` is ``online`` for a birth, ``offline`` for a death (gold takes both at once),
+        else None; ``reasons`` is "" or ``not_sparkplug`` / ``unknown_alias``."""
+        row: dict[str, Any] = {"device_id": topic.device_id, "sparkplug_group": topic.group,
+                               "sparkplug_node": topic.node, "message_type": topic.type,
+                               "event_id": event_id(topic_text or topic.device_id, raw),
+                               "event_time_ms": None, "status": None, "reasons": "", "values": {}}
+        out.readings.append(row)
         try:
             p = payload_class().FromString(raw)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
-            out.readings.append({**base, "reasons": "not_sparkplug", "event_time_ms": None,
-                                 "event_id": event_id(topic_text or topic.device_id, raw), "values": {}})
-            return
-        if topic.type == "NDEATH":  # the broker publishes the will: no seq
+            row["reasons"] = "not_sparkplug"
+            return row
+        row["event_time_ms"] = p.timestamp if p.HasField("timestamp") else None
+        if topic.type == "NDEATH":  # the broker publishes the node's will: no seq
             self.seq = None
-            out.events.append({**base, "event": "death", "time_ms": p.timestamp or None})
-            return
+            row["status"] = "offline"
+            return row
         self._check_seq(p, topic.type, out)
+        if topic.type == "DDEATH":
+            row["status"] = "offline"
+            return row
         if topic.type == "NBIRTH":
             self.aliases.clear()  # every device of the node must rebirth after its node
-        if topic.type == "DBIRTH":
+        elif topic.type == "DBIRTH":
             self.aliases = {a: v for a, v in self.aliases.items() if v[0] != topic.device}
-        if topic.type == "DDEATH":
-            out.events.append({**base, "event": "death", "time_ms": p.timestamp or None})
-            return
+        if topic.type in BIRTHS:
+            row["status"] = "online"
         device = topic.device or ""
-        values: dict[str, float | None] = {}
+        values = row["values"]
         unknown = False
-        first_ts = None
         for m in p.metrics:
             name = m.name if m.HasField("name") else None
             if topic.type in BIRTHS and name is not None and m.HasField("alias"):
@@ -96,19 +117,15 @@ class EdgeNodeState:
                     unknown = True
                     continue
                 name = found[1]
-            first_ts = first_ts or (m.timestamp if m.HasField("timestamp") else None)
+            if row["event_time_ms"] is None and m.HasField("timestamp"):
+                row["event_time_ms"] = m.timestamp
             col = metrics.get(name or "")
             if col is not None and (m.datatype in NUMERIC_TYPES or not m.HasField("datatype")):
                 values[col] = metric_value(m)
-        if topic.type in BIRTHS:
-            out.events.append({**base, "event": "birth", "time_ms": p.timestamp or first_ts})
         if unknown:
+            row["reasons"] = "unknown_alias"
             out.rebirth = True
-        if not values and not unknown:
-            return  # nothing the model reads (e.g. a node's control metrics)
-        out.readings.append({**base, "event_time_ms": p.timestamp or first_ts,
-                             "event_id": event_id(topic_text or topic.device_id, raw),
-                             "reasons": "unknown_alias" if unknown else "", "values": values})
+        return row
 
     def _check_seq(self, p: Any, kind: str, out: Output) -> None:
         seq = p.seq if p.HasField("seq") else None
@@ -119,3 +136,70 @@ class EdgeNodeState:
             out.seq_gaps += 1
             out.rebirth = True
         self.seq = seq
+
+
+# ---- in the silver stream -------------------------------------------------------------------
+def is_sparkplug(topic: Column) -> Column:
+    return topic.startswith(f"{NAMESPACE}/")
+
+
+def sparkplug_rows(bronze: DataFrame, model: TelemetryModel, parsed_schema: StructType) -> DataFrame:
+    """Bronze rows from Sparkplug topics -> rows shaped as ``silver.parse.parse`` returns them,
+    one per message, by a stateful step per edge node (its alias table in Spark's state store:
+    exactly once, and kept across restarts). Sparkplug context goes to ``extra`` as JSON."""
+    names = {m.source: m.name for m in model.metrics}
+    longs = {m.name for m in model.metrics if m.type == "long"}
+    columns = parsed_schema.fieldNames()
+
+    def fn(key: tuple, pdfs: Iterator[pd.DataFrame], state: GroupState) -> Iterator[pd.DataFrame]:
+        node = EdgeNodeState.from_json(state.get[0] if state.exists else None)
+        out = Output()
+        frames = [p for p in pdfs if len(p)]
+        if not frames:
+            return
+        df = pd.concat(frames, ignore_index=True).sort_values(["kafka_partition", "kafka_offset"],
+                                                              kind="stable", ignore_index=True)
+        for t, raw in zip(df["mqtt_topic"], df["value"], strict=True):
+            topic = parse_topic(t)
+            if topic is None:  # bad_topic (the bridge only subscribes to the six message types)
+                out.readings.append({"device_id": None, "event_id": event_id(t or "", raw),
+                                     "event_time_ms": None, "status": None,
+                                     "reasons": "not_sparkplug", "values": {}, "message_type": None,
+                                     "sparkplug_group": None, "sparkplug_node": None})
+                continue
+            node.apply(topic, bytes(raw), names, out, t)
+        state.update((node.to_json(),))
+        rows = out.readings
+        for r in rows:
+            if r["event_time_ms"] is None and not r["reasons"]:
+                r["reasons"] = "missing_ts"
+        res = pd.DataFrame({
+            "value": df["value"], "kafka_topic": df["topic"], "kafka_partition": df["partition"],
+            "kafka_offset": df["offset"], "ingest_time": df["ingest_time"],
+            "event_id": [r["event_id"] for r in rows], "device_id": [r["device_id"] for r in rows],
+            "event_time": pd.to_datetime([r["event_time_ms"] for r in rows], unit="ms", utc=True),
+            "status": [r["status"] for r in rows],
+            "extra": [json.dumps({"sparkplug_group": r["sparkplug_group"], "sparkplug_node": r["sparkplug_node"],
+                                  "message_type": r["message_type"]}) for r in rows],
+            "parse_reasons": [r["reasons"] for r in rows],
+            "schema_version": 1,
+        })
+        for m in names.values():
+            vals = [r["values"].get(m) for r in rows]
+            res[m] = pd.array([None if v is None else int(v) for v in vals], dtype="Int64") \
+                if m in longs else pd.array(vals, dtype="Float64")
+        for c in columns:
+            if c not in res:
+                res[c] = None
+        yield res[columns]
+
+    first = F.get(F.col("headers"), 0)
+    topic = F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))
+    return (bronze.withColumn("mqtt_topic", topic)
+            .where(is_sparkplug(F.col("mqtt_topic")))
+            .withColumn("node_key", F.concat_ws("/", *[F.split("mqtt_topic", "/").getItem(i) for i in (1, 3)]))
+            .select("node_key", "mqtt_topic", "value", "topic", "partition", "offset", "ingest_time",
+                    F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"))
+            .groupBy("node_key")
+            .applyInPandasWithState(fn, parsed_schema, "node string", "append",
+                                    GroupStateTimeout.NoTimeout))

@@ -39,6 +39,7 @@ from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
 from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
 from silver.parse import PARSE_CHECKS, parse, parse_checks
+from silver.sparkplug import is_sparkplug, sparkplug_rows
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,15 @@ def validated(bronze: DataFrame, suite: Suite | None = None,
     """Parsed rows with ``reasons`` (comma-joined parse problems, then failed suite
     expectations; "" when valid; a payload that is not JSON gets only ``not_json``) and the
     dedup key and event time."""
-    parsed = parse(bronze, model or TelemetryModel())
+    model = model or TelemetryModel()
+    if model.sparkplug:  # Sparkplug B topics take their own (stateful) decoder
+        first = F.get(F.col("headers"), 0)
+        sp = F.coalesce(is_sparkplug(F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))),
+                        F.lit(False))
+        parsed = parse(bronze.where(~sp), model)
+        parsed = parsed.unionByName(sparkplug_rows(bronze, model, parsed.schema))
+    else:
+        parsed = parse(bronze, model)
     missing = [c for c in (suite.columns if suite is not None else []) if c not in parsed.columns]
     if missing:  # e.g. a metric removed from the model: its column stays, null from now on
         log.warning("the suite %s checks columns the telemetry model does not parse: %s (null in "

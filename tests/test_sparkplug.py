@@ -63,13 +63,13 @@ def test_births_then_data_by_alias_and_by_name() -> None:
                             msg("DDATA", 2, 1000, [by_alias(2, 4.5)]),
                             msg("DDATA", 3, 2000, [{"name": "Pressure", "datatype": "DOUBLE", "value": 4.7},
                                                    by_alias(3, False, "BOOLEAN")])))
-    assert [(r["device_id"], r["event_time_ms"], r["values"], r["reasons"]) for r in out.readings] == [
-        ("plant1/gw1/pump7", T0 + 100, {"pressure_bar": 4.2, "running": 1.0, "offset": -3.0}, ""),
-        ("plant1/gw1/pump7", T0 + 1000, {"pressure_bar": 4.5}, ""),
-        ("plant1/gw1/pump7", T0 + 2000, {"pressure_bar": 4.7, "running": 0.0}, ""),
+    assert [(r["device_id"], r["event_time_ms"], r["values"], r["status"], r["reasons"])
+            for r in out.readings] == [
+        ("plant1/gw1", T0, {}, "online", ""),  # the node's own metrics: none in the model
+        ("plant1/gw1/pump7", T0 + 100, {"pressure_bar": 4.2, "running": 1.0, "offset": -3.0}, "online", ""),
+        ("plant1/gw1/pump7", T0 + 1000, {"pressure_bar": 4.5}, None, ""),
+        ("plant1/gw1/pump7", T0 + 2000, {"pressure_bar": 4.7, "running": 0.0}, None, ""),
     ]
-    assert [(e["device_id"], e["event"]) for e in out.events] == [
-        ("plant1/gw1", "birth"), ("plant1/gw1/pump7", "birth")]
     assert (out.seq_gaps, out.rebirth) == (0, False)
     assert {r["sparkplug_group"] for r in out.readings} == {"plant1"}
 
@@ -93,7 +93,7 @@ def test_unknown_alias_is_kept_for_quarantine_and_asks_for_a_rebirth() -> None:
     out = run(state, encode(msg("NBIRTH", 0, 3000, [{"name": "Uptime", "alias": 1, "datatype": "INT64",
                                                      "value": 0}]),
                             msg("DDATA", 1, 3100, [by_alias(2, 4.9)])))
-    assert [r["reasons"] for r in out.readings] == ["unknown_alias"]
+    assert [r["reasons"] for r in out.readings] == ["", "unknown_alias"]
 
 
 def test_sequence_gap_is_counted_and_the_reading_kept() -> None:
@@ -101,7 +101,7 @@ def test_sequence_gap_is_counted_and_the_reading_kept() -> None:
     out = run(state, encode(NBIRTH, DBIRTH, msg("DDATA", 5, 1000, [by_alias(2, 4.4)]),
                             msg("DDATA", 6, 2000, [by_alias(2, 4.5)])))
     assert out.seq_gaps == 1 and out.rebirth
-    assert [r["values"]["pressure_bar"] for r in out.readings[1:]] == [4.4, 4.5]
+    assert [r["values"]["pressure_bar"] for r in out.readings[2:]] == [4.4, 4.5]
 
 
 def test_sequence_wraps_at_256() -> None:
@@ -117,9 +117,9 @@ def test_deaths_and_duplicates() -> None:
     encoded = encode(NBIRTH, DBIRTH, data, msg("DDEATH", 3, 2000), msg("NDEATH", None, 3000, bd_seq=0))
     out = run(state, encoded[:3] + [encoded[2]] + encoded[3:])  # the DDATA delivered twice
     ids = [r["event_id"] for r in out.readings]
-    assert ids[1] == ids[2] and len(set(ids)) == 2  # silver's dedup drops the second
-    assert [(e["device_id"], e["event"], e["time_ms"]) for e in out.events[2:]] == [
-        ("plant1/gw1/pump7", "death", T0 + 2000), ("plant1/gw1", "death", T0 + 3000)]
+    assert ids[2] == ids[3] and len(set(ids)) == len(ids) - 1  # silver's dedup drops the second
+    assert [(r["device_id"], r["status"], r["event_time_ms"]) for r in out.readings[-2:]] == [
+        ("plant1/gw1/pump7", "offline", T0 + 2000), ("plant1/gw1", "offline", T0 + 3000)]
 
 
 def test_not_sparkplug() -> None:
@@ -135,3 +135,81 @@ def test_not_sparkplug() -> None:
 def test_rebirth_request() -> None:
     p = payload_class().FromString(rebirth_request(T0))
     assert [(m.name, m.boolean_value, m.datatype) for m in p.metrics] == [("Node Control/Rebirth", True, 11)]
+
+
+# ---- in the silver stream (real Spark, real Delta files) ------------------------------------
+
+def _bronze(settings, encoded: list[tuple[str, bytes]], first_offset: int, json_rows=()) -> None:
+    from datetime import UTC, datetime
+
+    from tests.lakehouse_fixture import write
+
+    rows = [(t, p) for t, p in encoded] + list(json_rows)
+    now = datetime.now(UTC)
+    n = len(rows)
+    write(settings, "bronze", {
+        "key": [b"k"] * n, "value": [p for _, p in rows], "topic": [settings.kafka.topic] * n,
+        "partition": [0] * n, "offset": list(range(first_offset, first_offset + n)),
+        "timestamp": [now] * n, "headers": [[{"key": "mqtt_topic", "value": t.encode()}] for t, _ in rows],
+        "ingest_time": [now] * n}, mode="append")
+
+
+def _silver(spark, settings) -> None:
+    import silver.stream
+    from lakehouse.streams import release_checkpoints
+
+    try:
+        q = silver.stream.start(spark, settings, trigger="available_now")
+        q.awaitTermination()
+        assert q.exception() is None
+    finally:
+        release_checkpoints()
+
+
+def test_silver_decodes_sparkplug_beside_json_exactly_once_across_runs(spark, tmp_path: Path) -> None:
+    """Births in one run, data by alias in the next (state from the checkpoint), an unknown alias
+    quarantined with its payload, a redelivered DDATA dropped, deaths as ``offline`` rows, and
+    JSON devices on the same stream untouched."""
+    from deltalake import DeltaTable
+
+    from lakehouse.settings import load_settings
+    from lakehouse.telemetry import TelemetryModel
+    from silver.default_suite import default_suite
+
+    # a metric's path is its payload field for JSON devices and its Sparkplug metric name
+    model = {"sparkplug": True, "metrics": [
+        {"name": "pressure_bar", "path": "Pressure", "min": 0.0, "max": 100.0},
+        {"name": "running", "path": "Running"}, {"name": "offset", "path": "Offset", "type": "long"}]}
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps(default_suite(TelemetryModel(**model))))
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+                      spark={"master": "local[2]", "shuffle_partitions": 2},
+                      telemetry={**model, "suite": str(suite)})
+    json_row = ("devices/j1/telemetry", json.dumps({"event_id": "e1", "device_id": "j1", "ts": T0 // 1000,
+                                                    "Pressure": 3.5}).encode())
+    _bronze(s, encode(NBIRTH, DBIRTH), 0, [json_row])
+    _silver(spark, s)
+    data = msg("DDATA", 2, 1000, [by_alias(2, 4.5), by_alias(4, -7, "INT32")])
+    more = encode(data, msg("DDATA", 3, 2000, [by_alias(9, 1.0)]), msg("DDATA", 4, 3000, [by_alias(2, 250.0)]),
+                  msg("DDEATH", 5, 4000))
+    _bronze(s, [more[0], more[0], *more[1:]], 3)  # the DDATA delivered twice
+    _silver(spark, s)
+
+    silver = DeltaTable(s.table_path("silver")).to_pandas().sort_values(["event_time", "device_id"], ignore_index=True)
+    silver = silver.astype(object).where(silver.notna(), None)
+    assert [(r.device_id, r.pressure_bar, r.running, r.offset, r.status) for r in silver.itertuples()] == [
+        ("j1", 3.5, None, None, None),  # a JSON device on the same stream, at the same instant
+        ("plant1/gw1", None, None, None, "online"),  # the node's birth: none of its metrics modelled
+        ("plant1/gw1/pump7", 4.2, 1.0, -3, "online"),
+        ("plant1/gw1/pump7", 4.5, None, -7, None),
+        ("plant1/gw1/pump7", None, None, None, "offline")]
+    assert json.loads(silver[silver.device_id == "plant1/gw1/pump7"].extra.iloc[0]) == {
+        "sparkplug_group": "plant1", "sparkplug_node": "gw1", "message_type": "DBIRTH"}
+    q = DeltaTable(s.table_path("quarantine")).to_pandas()
+    assert sorted(q.reason) == ["pressure_bar_in_range", "unknown_alias"]
+    assert bytes(q[q.reason == "unknown_alias"].value.iloc[0]) == more[1][1]  # nothing lost
+    log = DeltaTable(s.table_path("quality_log")).to_pandas()
+    counters = log[log.kind == "counter"]
+    total = {k: sum(json.loads(d)["count"] for d in counters[counters.expectation == k].details)
+             for k in ("rows_in", "silver", "quarantine", "duplicates", "late")}
+    assert total == {"rows_in": 8, "silver": 5, "quarantine": 2, "duplicates": 1, "late": 0}
