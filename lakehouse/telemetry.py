@@ -154,6 +154,14 @@ class TelemetryModel(_Model):
     def _paths(cls, v: str) -> str:
         return _check_path(v)
 
+    @field_validator("sparkplug_groups")
+    @classmethod
+    def _groups(cls, v: list[str]) -> list[str]:
+        bad = [g for g in v if g != "+" and (not g or any(c in g for c in "/+#"))]
+        if bad or not v:
+            raise ValueError(f"sparkplug_groups: Sparkplug group ids, or \"+\" for every group (got {v})")
+        return v
+
     @field_validator("topic_pattern")
     @classmethod
     def _pattern(cls, v: str) -> str:
@@ -226,7 +234,11 @@ class TelemetryModel(_Model):
     @property
     def sparkplug_filters(self) -> tuple[str, ...]:
         """MQTT subscriptions for the Sparkplug groups (none when Sparkplug is off)."""
-        return tuple(f"spBv1.0/{g}/#" for g in self.sparkplug_groups) if self.sparkplug else ()
+        if not self.sparkplug:
+            return ()
+        # births, data and deaths only: commands (NCMD / DCMD) and host STATE are not readings
+        return tuple(f"spBv1.0/{g}/{t}" for g in self.sparkplug_groups
+                     for t in ("NBIRTH/+", "NDATA/+", "NDEATH/+", "DBIRTH/+/+", "DDATA/+/+", "DDEATH/+/+"))
 
     def payload_fields(self) -> set[str]:
         """Top-level payload fields the model reads (the rest of a payload goes to ``extra``)."""

@@ -213,3 +213,58 @@ def test_silver_decodes_sparkplug_beside_json_exactly_once_across_runs(spark, tm
     total = {k: sum(json.loads(d)["count"] for d in counters[counters.expectation == k].details)
              for k in ("rows_in", "silver", "quarantine", "duplicates", "late")}
     assert total == {"rows_in": 8, "silver": 5, "quarantine": 2, "duplicates": 1, "late": 0}
+
+
+def test_an_edge_node_through_mosquitto_the_bridge_kafka_bronze_and_silver(settings, spark, tmp_path: Path) -> None:
+    """pysparkplug publishes as an edge node on the real Mosquitto; the bridge keys the node's
+    messages to one Kafka partition in order, bytes untouched, and leaves commands out; bronze
+    and silver (Spark's Kafka source, real Delta) resolve the aliases."""
+    import time
+
+    import paho.mqtt.client as mqtt
+    from deltalake import DeltaTable
+    from test_bridge import consume, derive, running
+
+    import bronze.stream
+    from ingest.bridge import Bridge
+    from lakehouse.streams import release_checkpoints
+
+    group = f"g{time.time_ns()}"
+    s = derive(settings, telemetry={"sparkplug": True, "sparkplug_groups": [group], "status_rules": [], "metrics": [
+        {"name": "pressure_bar", "path": "Pressure"}, {"name": "running", "path": "Running"},
+        {"name": "offset", "path": "Offset", "type": "long"}]})
+    script = [msg(*a[:4], group=group) if len(a) == 4 else msg(*a, group=group) for a in (
+        ("NBIRTH", 0, 0, NBIRTH["metrics"]), ("DBIRTH", 1, 100, DBIRTH["metrics"]),
+        ("DDATA", 2, 1000, [by_alias(2, 4.5)]), ("DDATA", 3, 2000, [by_alias(2, 4.6)]),
+        ("DDATA", 4, 3000, [by_alias(2, 4.7)]), ("DDEATH", 5, 4000))]
+    host, port = s.mqtt_endpoint
+    with running(Bridge(s, "b-sparkplug")):
+        subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)],
+                       input=json.dumps(script), text=True, timeout=60, check=True)
+        cmd = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)  # a host's command: not a reading
+        cmd.connect(host, port)
+        cmd.publish(f"spBv1.0/{group}/NCMD/gw1", rebirth_request(T0), qos=1).wait_for_publish(10)
+        cmd.disconnect()
+        got = consume(s, s.kafka.topic, expect=len(script))
+    expected = encode(*script)
+    assert [(m.value(), dict(m.headers())["mqtt_topic"].decode()) for m in got] == \
+        [(p, t) for t, p in expected]
+    assert {m.key() for m in got} == {f"{group}/gw1".encode()} and len({m.partition() for m in got}) == 1
+
+    try:
+        for start in (bronze.stream.start, silver_start):
+            q = start(spark, s, trigger="available_now")
+            q.awaitTermination()
+            assert q.exception() is None
+    finally:
+        release_checkpoints()
+    rows = DeltaTable(s.table_path("silver")).to_pandas().sort_values("event_time", ignore_index=True)
+    assert list(rows.pressure_bar.fillna(-1)) == [-1, 4.2, 4.5, 4.6, 4.7, -1]
+    assert list(rows.status.fillna("")) == ["online", "online", "", "", "", "offline"]
+    assert set(rows.device_id) == {f"{group}/gw1", f"{group}/gw1/pump7"}
+
+
+def silver_start(spark, settings, trigger):
+    import silver.stream
+
+    return silver.stream.start(spark, settings, trigger=trigger)
