@@ -77,6 +77,8 @@ def out_schema(metrics: tuple[str, ...]) -> str:
 #: For the default telemetry model (the stream builds its own from ``settings.telemetry``).
 OUT_SCHEMA = out_schema(METRICS)
 _NAT = np.iinfo(np.int64).min  # timestamps are carried as int64 ns, NaT = null
+#: The status a reading reports when its device is gone (silver's rows for Sparkplug deaths)
+REPORTED_OFFLINE = "offline"
 
 # A bucket's state: one row per device, as an LZ4-compressed Arrow IPC stream in base64 text.
 # Text, not binary: pyspark hands a binary state to Python through the JVM's pickler, which
@@ -372,13 +374,15 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
         else np.zeros(n, dtype=bool)
     anom = max_score >= gold.anomaly_score_high
     fired = np.vstack([fired, err, anom])
-    new = np.where(fired.any(axis=0), "degraded", "online").astype(object)
+    # a death certificate (Sparkplug DDEATH / NDEATH, reported as status "offline"): offline now
+    dead = pdf["status"].to_numpy(dtype=object)[order] == REPORTED_OFFLINE
+    new = np.where(dead, "offline", np.where(fired.any(axis=0), "degraded", "online")).astype(object)
     prev_status = np.empty(n, dtype=object)
     prev_status[1:] = new[:-1]
     prev_status[starts] = devs.status[pos]
     is_change = new != prev_status
     changed = np.flatnonzero(is_change)
-    reasons = rules.reasons(fired[:, changed])
+    reasons = np.where(dead[changed], "death", rules.reasons(fired[:, changed]))
     out.add(len(changed), kind="status", device_id=dev_col[changed], status=new[changed],
             previous_status=prev_status[changed], reason=reasons, event_time=t_ns[changed])
 
@@ -390,21 +394,55 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
                                                         devs.last_seen[pos]))
     devs.values[pos] = vals[:, last].T
     devs.anomaly_score[pos] = max_score[last]
-    devs.timeout_at[pos] = devs.last_seen[pos] + timeout_ms
+    devs.timeout_at[pos] = np.where(dead[last], _NONE, devs.last_seen[pos] + timeout_ms)
+    if "node_death" in pdf.columns:
+        return np.union1d(pos, node_deaths(pdf, devs, out))
     return pos
 
 
+def node_deaths(pdf: pd.DataFrame, devs: Bucket, out: Rows) -> np.ndarray:
+    """An edge node's death (NDEATH) takes every device of the node offline (those with no
+    later message), as of the death's time: reason ``node_death``."""
+    nd = pdf["node_death"].to_numpy(dtype=bool)
+    gone: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+    ids = pdf["device_id"].to_numpy(dtype=object)
+    t_ms = pdf["event_time"].to_numpy(dtype="datetime64[ns]").view(np.int64) // 1_000_000
+    for i in np.flatnonzero(nd):
+        prefix, when = ids[i] + "/", t_ms[i]
+        hit = np.array([d.startswith(prefix) for d in devs.ids], dtype=bool) \
+            & (devs.status != "offline") & ((devs.last_seen == _NONE) | (devs.last_seen <= when))
+        went = np.flatnonzero(hit)
+        out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
+                previous_status=devs.status[went], reason="node_death", event_time=when * 1_000_000)
+        devs.status[went], devs.status_since[went], devs.timeout_at[went] = "offline", when, _NONE
+        gone.append(went)
+    return np.unique(np.concatenate(gone))
+
+
 def health_input(model: TelemetryModel) -> list[str]:
-    """The silver columns the health stream reads."""
-    return ["device_id", "event_id", "event_time", *model.gold_metrics, "status"]
+    """The silver columns the health stream reads (``extra``: Sparkplug's node and message type)."""
+    return ["device_id", "event_id", "event_time", *model.gold_metrics, "status",
+            *(["extra"] if model.sparkplug else [])]
 
 
 def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
     model = settings.telemetry
+    df = silver.select(*health_input(model))
+    key = F.col("device_id")
+    if model.sparkplug:
+        # A Sparkplug edge node's devices share its bucket, so its death (NDEATH) reaches them
+        # all; JSON devices keep their buckets (an existing checkpoint stays valid).
+        node = F.get_json_object("extra", "$.sparkplug_node")
+        key = F.when(node.isNotNull(), F.concat_ws("/", F.get_json_object("extra", "$.sparkplug_group"), node)
+                     ).otherwise(F.col("device_id"))
+        df = (df.withColumn("node_death", F.coalesce(
+            F.get_json_object("extra", "$.message_type") == "NDEATH", F.lit(False)))
+              .withColumn("bucket_key", key).drop("extra"))
+        key = F.col("bucket_key")
     return (
-        silver.select(*health_input(model))
+        df
         .withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
-        .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(STATE_BUCKETS)))
+        .withColumn("bucket", F.pmod(F.xxhash64(key), F.lit(STATE_BUCKETS)))
         .groupBy("bucket")
         .applyInPandasWithState(health_fn(settings.gold, model), out_schema(model.gold_metrics),
                                 STATE_SCHEMA, "append",

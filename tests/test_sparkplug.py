@@ -268,3 +268,53 @@ def silver_start(spark, settings, trigger):
     import silver.stream
 
     return silver.stream.start(spark, settings, trigger=trigger)
+
+
+def test_gold_deaths_take_devices_offline_and_births_bring_them_back(spark, tmp_path: Path) -> None:
+    """DDEATH: that device offline at once; NDEATH: every device of the node; a new birth: online."""
+    from datetime import UTC, datetime, timedelta
+
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    import gold.health
+    from lakehouse.settings import load_settings
+    from lakehouse.streams import release_checkpoints
+    from lakehouse.tables import silver_schema
+
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+                      spark={"master": "local[2]", "shuffle_partitions": 2},
+                      gold={"offline_after_seconds": 3600},
+                      telemetry={"sparkplug": True, "metrics": [{"name": "pressure_bar", "path": "Pressure"}]})
+    t0 = datetime(2026, 11, 25, tzinfo=UTC)
+
+    def row(device: str, sec: int, kind: str, pressure=None, status=None) -> dict:
+        node = "/".join(device.split("/")[:2])
+        return {"event_id": f"{device}-{sec}-{kind}", "device_id": device, "event_time": t0 + timedelta(seconds=sec),
+                "pressure_bar": pressure, "status": status, "schema_version": 1,
+                "extra": json.dumps({"sparkplug_group": node.split("/")[0], "sparkplug_node": node.split("/")[1],
+                                     "message_type": kind}),
+                "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": sec, "ingest_time": t0}
+
+    def run(rows: list[dict]) -> None:
+        write_deltalake(s.table_path("silver"), pa.Table.from_pylist(rows, schema=silver_schema(s.telemetry)),
+                        mode="append")
+        try:
+            q = gold.health.start(spark, s, trigger="available_now")
+            q.awaitTermination()
+            assert q.exception() is None
+        finally:
+            release_checkpoints()
+
+    a, b = "p/gw1/pump1", "p/gw1/pump2"
+    run([row("p/gw1", 0, "NBIRTH", status="online"), row(a, 1, "DBIRTH", 4.0, "online"),
+         row(b, 2, "DBIRTH", 4.1, "online"), row(a, 10, "DDATA", 4.2), row(b, 11, "DDATA", 4.3),
+         row(a, 20, "DDEATH", status="offline")])
+    run([row(a, 30, "DBIRTH", 4.4, "online"), row("p/gw1", 40, "NDEATH", status="offline")])
+    hist = DeltaTable(s.table_path("device_status_history")).to_pandas().sort_values(["changed_at", "device_id"])
+    assert [(r.device_id, r.status, r.reason) for r in hist.itertuples() if r.device_id != "p/gw1"] == [
+        (a, "online", "data"), (b, "online", "data"), (a, "offline", "death"), (a, "online", "data"),
+        (a, "offline", "node_death"), (b, "offline", "node_death")]
+    cur = DeltaTable(s.table_path("device_current")).to_pandas().set_index("device_id")
+    assert cur.status.to_dict() == {"p/gw1": "offline", a: "offline", b: "offline"}
+    assert cur.loc[b, "status_since"] == t0 + timedelta(seconds=40)
