@@ -42,6 +42,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--malformed", type=float, default=0.0, help="fraction of malformed payloads")
     s.add_argument("--late", type=float, default=0.0, help="fraction of late readings")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--profile", choices=("json", "sparkplug"), default=None,
+                   help="what the devices speak (default: sparkplug when telemetry.sparkplug is "
+                        "on, else json; --events always publishes json)")
     s.set_defaults(func=lambda args, settings: run_simulator(args, settings))
 
 
@@ -145,5 +148,5 @@ def run_simulator(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     faults = {"duplicates": args.duplicates, "malformed": args.malformed, "late": args.late,
               "seed": args.seed}
-    run_forever(settings, args.rate, args.devices, _stop_on_signals(), faults)
+    run_forever(settings, args.rate, args.devices, _stop_on_signals(), faults, args.profile)
     return 0

@@ -395,9 +395,11 @@ def publish(settings: Settings, messages: Iterable[Message], rate: float | None 
 
 
 def run_forever(settings: Settings, rate: float, devices: int, stop: threading.Event,
-                faults: dict | None = None) -> int:
+                faults: dict | None = None, profile: str | None = None) -> int:
     """Continuous mode: publish ``rate`` msg/s until ``stop``. ``faults`` gives the fractions
-    of ``duplicates``, ``malformed`` and ``late`` messages (e.g. ``{"duplicates": 0.01}``)."""
+    of ``duplicates``, ``malformed`` and ``late`` messages (e.g. ``{"duplicates": 0.01}``).
+    ``profile``: ``json`` or ``sparkplug`` (edge nodes, ``ingest.sparkplug_sim``); default:
+    Sparkplug when the telemetry model takes it, else JSON."""
     faults = dict(faults or {})
     unknown = set(faults) - {"duplicates", "malformed", "late", "seed"}
     if unknown:
@@ -406,6 +408,11 @@ def run_forever(settings: Settings, rate: float, devices: int, stop: threading.E
     rng = random.Random(int(faults.get("seed", 0)))
     fleet = Fleet(settings, devices, rng, None, rate)
     recent: list[Message] = []
+    sparkplug = None
+    if profile == "sparkplug" or (profile is None and settings.telemetry.sparkplug):
+        from ingest.sparkplug_sim import SparkplugFleet
+
+        sparkplug = SparkplugFleet(settings, devices, rng).messages()
     pub = _Publisher(settings, max_inflight=1000)
     sent = 0
     t0 = time.monotonic()
@@ -415,6 +422,11 @@ def run_forever(settings: Settings, rate: float, devices: int, stop: threading.E
             delay = t0 + sent / rate - time.monotonic()
             if delay > _PACE_SLACK:  # sleep in ticks, not per message: a wake-up per message
                 stop.wait(min(delay, 0.5))  # cost more CPU than the publish itself
+                continue
+            if sparkplug is not None:
+                m = next(sparkplug)
+                pub.send(m.topic, m.payload)
+                sent += 1
                 continue
             x = rng.random()
             kind = ("duplicate" if x < p_dup else "malformed" if x < p_dup + p_bad

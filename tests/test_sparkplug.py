@@ -318,3 +318,36 @@ def test_gold_deaths_take_devices_offline_and_births_bring_them_back(spark, tmp_
     cur = DeltaTable(s.table_path("device_current")).to_pandas().set_index("device_id")
     assert cur.status.to_dict() == {"p/gw1": "offline", a: "offline", b: "offline"}
     assert cur.loc[b, "status_since"] == t0 + timedelta(seconds=40)
+
+
+def test_the_simulator_speaks_sparkplug_as_pysparkplug_reads_it() -> None:
+    """``iotlake simulate --profile sparkplug``'s messages: pysparkplug decodes them (aliases
+    from the births), and silver's step resolves every one, deaths and rebirths included."""
+    import itertools
+    import random
+
+    from ingest.sparkplug_sim import SparkplugFleet
+    from lakehouse.settings import load_settings
+
+    s = load_settings(environ={}, telemetry={"sparkplug": True, "sparkplug_groups": ["plant1"], "metrics": [
+        {"name": "pressure_bar", "path": "Pressure", "min": 0.0, "max": 10.0},
+        {"name": "cycles", "path": "Cycles", "type": "long", "min": 0.0, "max": 1000.0}]})
+    msgs = list(itertools.islice(SparkplugFleet(s, 7, random.Random(1), per_node=4, p_death=0.05).messages(), 400))
+    decoded = json.loads(subprocess.run(
+        [str(EDGE_PYTHON), str(EDGE), "decode"], capture_output=True, text=True, timeout=60, check=True,
+        input=json.dumps([{"topic": m.topic, "payload": m.payload.hex()} for m in msgs])).stdout)
+    kinds = [d["type"] for d in decoded]
+    assert kinds[:5] == ["NBIRTH", "DBIRTH", "DBIRTH", "DBIRTH", "DBIRTH"] and "DDEATH" in kinds
+    data = [d for d in decoded if d["type"] == "DDATA"]
+    assert data and all([n for n, _ in d["metrics"]] == ["Pressure", "Cycles"] for d in data)
+    assert all(0 <= d["metrics"][0][1] <= 10 for d in data)
+
+    states: dict[str, EdgeNodeState] = {}
+    out = Output()
+    for m in msgs:
+        t = parse_topic(m.topic)
+        states.setdefault(t.node_key, EdgeNodeState()).apply(t, m.payload, {"Pressure": "pressure_bar",
+                                                                            "Cycles": "cycles"}, out, m.topic)
+    assert [r["reasons"] for r in out.readings] == [""] * len(msgs)
+    assert (out.seq_gaps, out.rebirth) == (0, False)
+    assert {r["device_id"].split("/")[0] for r in out.readings} == {"plant1"}

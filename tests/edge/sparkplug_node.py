@@ -5,7 +5,8 @@ messages on stdin, each ``{"type": "DDATA", "group": "g", "node": "n", "device":
 "timestamp": 1764000000000, "metrics": [{"name": "Pressure", "alias": 1, "datatype": "DOUBLE",
 "value": 4.2}, ...]}`` (a DEATH takes ``bd_seq`` instead of metrics for NDEATH), and either
 prints ``[{"topic": ..., "payload": hex}, ...]`` (``encode``) or publishes them with QoS 1
-(``publish HOST PORT``).
+(``publish HOST PORT``); ``decode`` reads ``[{"topic", "payload": hex}]`` and prints what
+pysparkplug decodes (aliases resolved from the births before them).
 """
 
 from __future__ import annotations
@@ -39,7 +40,28 @@ def build(d: dict) -> tuple[sp.Topic, object]:
                                    metrics=tuple(metric(m, ts) for m in d.get("metrics", ())))
 
 
+def decode(items: list[dict]) -> list[dict]:
+    births: dict[tuple, object] = {}
+    out = []
+    for item in items:
+        topic = sp.Topic.from_str(item["topic"])
+        raw = bytes.fromhex(item["payload"])
+        kind = topic.message_type.value if hasattr(topic.message_type, "value") else str(topic.message_type)
+        cls = {"NBIRTH": sp.NBirth, "DBIRTH": sp.DBirth, "NDATA": sp.NData, "DDATA": sp.DData,
+               "DDEATH": sp.DDeath, "NDEATH": sp.NDeath}[kind]
+        key = (topic.group_id, topic.edge_node_id, topic.device_id)
+        p = cls.decode(raw, birth=births.get(key)) if kind in ("NDATA", "DDATA") else cls.decode(raw)
+        if kind in ("NBIRTH", "DBIRTH"):
+            births[key] = p
+        out.append({"type": kind, "seq": getattr(p, "seq", None), "timestamp": p.timestamp,
+                    "metrics": [[m.name, m.value] for m in getattr(p, "metrics", ())]})
+    return out
+
+
 def main() -> None:
+    if sys.argv[1] == "decode":
+        print(json.dumps(decode(json.load(sys.stdin))))
+        return
     messages = [build(d) for d in json.load(sys.stdin)]
     if sys.argv[1] == "encode":
         print(json.dumps([{"topic": str(t), "payload": p.encode(include_dtypes=True).hex()}
