@@ -9,6 +9,10 @@ the first (the first pays state store creation). Each run's quality-log counters
 against the generated data to the row. Last line: one JSON object.
 
     .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--files-per-batch 2]
+
+``--profile sparkplug``: Sparkplug B DDATA with 5 metrics by alias (edge nodes of 10 devices,
+births in the first commit), and the sensor's JSON readings in the same session for
+``ratio_to_json`` (Sparkplug readings/s over JSON's, both with validation).
 """
 
 from __future__ import annotations
@@ -57,12 +61,103 @@ def _payload(i: int, rng: random.Random, over: dict | None = None, step_ms: floa
 
 #: ``--profile``: a telemetry model file (``[telemetry]``) whose readings the bronze table holds;
 #: "sensor" is the default model (the bundled simulator's).
-PROFILES = {"sensor": None, "pump": Path(__file__).resolve().parents[1] / "examples" / "pump.toml"}
+PROFILES = {"sensor": None, "pump": Path(__file__).resolve().parents[1] / "examples" / "pump.toml",
+            "sparkplug": None}
+#: the Sparkplug profile's metrics (Sparkplug names -> silver columns), each in [0, 100]
+SPARKPLUG_METRICS = [{"name": f"m{k}", "path": f"Line/Metric {k}", "min": 0.0, "max": 100.0} for k in range(1, 6)]
 
 
 def profile_model(name: str) -> TelemetryModel:
+    if name == "sparkplug":
+        return TelemetryModel(sparkplug=True, metrics=SPARKPLUG_METRICS)
     f = PROFILES[name]
     return load_settings(f, environ={}).telemetry if f else TelemetryModel()
+
+
+class SparkplugBronze:
+    """Edge nodes of 10 devices: NBIRTH and DBIRTHs (5 metrics with aliases) first, then DDATA
+    by alias; invalid ones use an alias no birth declared or a value out of range."""
+
+    def __init__(self, devices: int = 1000, per_node: int = 10) -> None:
+        from lakehouse.sparkplug import payload_class
+
+        self.cls, self.per_node, self.devices = payload_class(), per_node, devices
+        self.nodes = -(-devices // per_node)
+        self.seq = [0] * self.nodes
+        self.t0_ms = int(T0.timestamp() * 1000)
+
+    def _encode(self, node: int, ts: int, metrics: list[dict]) -> bytes:
+        p = self.cls(timestamp=ts, seq=self.seq[node])
+        self.seq[node] = (self.seq[node] + 1) % 256
+        for m in metrics:
+            p.metrics.add(timestamp=ts, datatype=10, **m)
+        return p.SerializeToString()
+
+    def births(self) -> list[tuple[int, bytes, bytes]]:
+        """(node, topic, payload) of every birth, nodes first."""
+        out = []
+        for n in range(self.nodes):
+            out.append((n, f"spBv1.0/bench/NBIRTH/node-{n}".encode(), self._encode(n, self.t0_ms, [])))
+            for d in range(n * self.per_node, min(self.devices, (n + 1) * self.per_node)):
+                metrics = [{"name": m["path"], "alias": 1 + d * 5 + k, "double_value": 50.0}
+                           for k, m in enumerate(SPARKPLUG_METRICS)]
+                out.append((n, f"spBv1.0/bench/DBIRTH/node-{n}/dev-{d}".encode(), self._encode(n, self.t0_ms, metrics)))
+        return out
+
+    def data(self, i: int, rng: random.Random, step_ms: float, invalid: int | None = None) -> tuple[int, bytes, bytes]:
+        d = i % self.devices
+        n = d // self.per_node
+        values = [rng.uniform(10, 90) for _ in SPARKPLUG_METRICS]
+        alias0 = 1 + d * 5
+        if invalid is not None and invalid % 2:
+            alias0 = 10_000_000  # no birth declared it: unknown_alias
+        elif invalid is not None:
+            values[0] = 150.0  # out of range: the suite fails it
+        metrics = [{"alias": alias0 + k, "double_value": round(v, 3)} for k, v in enumerate(values)]
+        ts = self.t0_ms + int(step_ms * i) + 1
+        return n, f"spBv1.0/bench/DDATA/node-{n}/dev-{d}".encode(), self._encode(n, ts, metrics)
+
+
+def build_sparkplug_bronze(path: str, rows: int, commits: int, seed: int = 0,
+                           step_ms: float = 10) -> Counter[str]:
+    """The Sparkplug profile's bronze table: births, then ``rows`` DDATA (1% re-sent, 1% invalid);
+    a node's messages in one partition, in order. Returns the expected silver accounting."""
+    rng = random.Random(seed)
+    gen = SparkplugBronze()
+    kinds = ["dup"] * (rows // 100) + ["bad"] * (rows // 100)
+    kinds += ["ok"] * (rows - len(kinds))
+    rng.shuffle(kinds)
+    kinds[0] = "ok"
+    msgs = gen.births()
+    n_births = len(msgs)
+    valid: list[int] = []
+    for i, kind in enumerate(kinds):
+        if kind == "dup":
+            msgs.append(msgs[valid[-1 - rng.randrange(min(len(valid), 5000))]])
+            continue
+        msgs.append(gen.data(i, rng, step_ms, invalid=i if kind == "bad" else None))
+        if kind == "ok":
+            valid.append(len(msgs) - 1)
+    offsets = [0] * PARTITIONS
+    per_commit = -(-len(msgs) // commits)
+    now = datetime.now(UTC)
+    for c in range(commits):
+        part = msgs[c * per_commit:(c + 1) * per_commit]
+        parts, offs = [], []
+        for node, _, _ in part:
+            p = node % PARTITIONS
+            parts.append(p)
+            offs.append(offsets[p])
+            offsets[p] += 1
+        n = len(part)
+        write_deltalake(path, pa.table({
+            "key": pa.nulls(n, pa.binary()), "value": [m[2] for m in part], "topic": ["telemetry"] * n,
+            "partition": pa.array(parts, pa.int32()), "offset": pa.array(offs, pa.int64()),
+            "timestamp": [now] * n, "headers": [[{"key": "mqtt_topic", "value": m[1]}] for m in part],
+            "ingest_time": [now] * n}, schema=BRONZE), mode="append")
+    k = Counter(kinds)
+    return Counter(rows_in=len(msgs), silver=k["ok"] + n_births, quarantine=k["bad"],
+                   duplicates=k["dup"], late=0)
 
 
 class ModelBronze:
@@ -100,6 +195,8 @@ def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: flo
                  model: TelemetryModel | None = None) -> Counter[str]:
     """Write the bronze table (event times ``step_ms`` apart); returns the expected silver
     accounting. ``model``: payloads of that telemetry model instead of the sensor's."""
+    if model is not None and model.sparkplug:
+        return build_sparkplug_bronze(path, rows, commits, seed, step_ms)
     rng = random.Random(seed)
     shaped = ModelBronze(model, rng, step_ms) if model is not None and model != TelemetryModel() else None
     kinds = ["dup"] * (rows // 100) + ["bad"] * (rows // 100)
@@ -233,14 +330,25 @@ def main(argv: list[str] | None = None) -> None:
         for validate in () if args.smoke else (True, False):  # a smoke run measures nothing
             run_silver(spark, settings(f"warm_{validate}"), warm, validate)
         runs = {}
-        for name, validate in (("with_validation", True), ("without", False)):
+        variants = [("with_validation", True), ("without", False)]
+        if model.sparkplug:  # the sensor's JSON readings, same session, for ratio_to_json
+            json_bronze = settings("json_bronze").table_path("bronze")
+            json_expected = build_bronze(json_bronze, args.rows, args.commits)
+            variants.append(("json", True))
+        for name, validate in variants:
             s = settings(name)
+            if name == "json":
+                s = s.model_copy(update={"telemetry": TelemetryModel()})
+                runs[name] = run_silver(spark, s, json_bronze, True)
+                assert counters(s) == json_expected, f"json: accounting {dict(counters(s))}"
+                print(name, json.dumps(runs[name]), flush=True)
+                continue
             runs[name] = run_silver(spark, s, bronze, validate)
             got = counters(s)
             if validate:
                 assert got == expected, f"{name}: accounting {dict(got)} != expected {dict(expected)}"
             else:  # without the suite only unparseable rows are quarantined
-                assert got["rows_in"] == args.rows and got["duplicates"] == expected["duplicates"], got
+                assert got["rows_in"] == expected["rows_in"] and got["duplicates"] == expected["duplicates"], got
             print(name, json.dumps(runs[name]), flush=True)
         spark.stop()
         with_v, without = runs["with_validation"]["rows_per_s"], runs["without"]["rows_per_s"]
@@ -250,7 +358,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"rows": args.rows, "profile": args.profile,
                           "rows_per_s_with_validation": round(with_v),
                           "rows_per_s_without": round(without),
-                          "overhead_ratio": round(without / with_v, 3)}))
+                          "overhead_ratio": round(without / with_v, 3),
+                          **({"rows_per_s_json": round(runs["json"]["rows_per_s"]),
+                              "ratio_to_json": round(with_v / runs["json"]["rows_per_s"], 3)}
+                             if "json" in runs else {})}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
