@@ -246,6 +246,13 @@ def counters(settings: Settings) -> Counter[str]:
     return out
 
 
+def batch_rows_in(settings: Settings) -> dict[int, int]:
+    """Bronze rows each silver batch read (its ``rows_in`` counter), by batch id."""
+    t = read_table(settings.table_path("quality_log"), columns=["kind", "expectation", "batch_id", "details"])
+    return {r["batch_id"]: json.loads(r["details"])["count"] for r in t.to_pylist()
+            if r["kind"] == "counter" and r["expectation"] == "rows_in"}
+
+
 def tree_cpu(pid: int) -> float:
     """CPU seconds used by ``pid`` and its descendants (the JVM and its Python workers): the
     machine may be shared, so wall-clock rows/s alone can mislead."""
@@ -278,14 +285,17 @@ def run_silver(spark, settings: Settings, bronze: str, validate: bool) -> dict:
     progress = q.recentProgress
     first = next(p["batchId"] for p in progress if p["numInputRows"] > 0)
     steady = [p for p in progress if p["batchId"] > first]  # no-data batches included
-    rows = sum(p["numInputRows"] for p in steady)
+    # bronze rows per batch from the quality log (Spark's numInputRows counts each scan of the
+    # source: the Sparkplug profile's plan reads a batch twice, JSON and Sparkplug branches)
+    per_batch = batch_rows_in(settings)
+    rows = sum(per_batch.get(p["batchId"], 0) for p in steady)
     ms = sum(p["durationMs"]["triggerExecution"] for p in steady)
     parts: Counter[str] = Counter()
     for p in steady:
         parts.update({k: v for k, v in p["durationMs"].items() if k != "triggerExecution"})
     return {"batches": len(progress), "steady_rows": rows, "steady_ms": ms,
             "rows_per_s": rows / (ms / 1000) if ms else None, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-            "rows_per_cpu_s": round(sum(p["numInputRows"] for p in progress) / cpu),
+            "rows_per_cpu_s": round(sum(per_batch.values()) / cpu),
             "ms_parts": dict(parts)}
 
 
