@@ -303,6 +303,13 @@ class Settings(_Section):
         return self.mqtt.topic_filter == self.telemetry.topic_filter
 
     @model_validator(mode="after")
+    def _sparkplug_dedup(self) -> Settings:
+        if self.telemetry.sparkplug and self.stream.dedup != "index":
+            raise ValueError('telemetry.sparkplug needs stream.dedup = "index" (Sparkplug with '
+                             'Spark\'s state-store dedup is not supported yet)')
+        return self
+
+    @model_validator(mode="after")
     def _checkpoints_on_a_filesystem(self) -> Settings:
         if is_uri(self.data_root) and not self.storage.checkpoint_root:
             raise ValueError("storage.checkpoint_root is required when data_root is a URI: Spark "

@@ -351,3 +351,12 @@ def test_the_simulator_speaks_sparkplug_as_pysparkplug_reads_it() -> None:
     assert [r["reasons"] for r in out.readings] == [""] * len(msgs)
     assert (out.seq_gaps, out.rebirth) == (0, False)
     assert {r["device_id"].split("/")[0] for r in out.readings} == {"plant1"}
+
+
+def test_sparkplug_settings_fail_fast() -> None:
+    from lakehouse.settings import SettingsError, load_settings
+
+    for bad, words in (({"telemetry": {"sparkplug": True}, "stream": {"dedup": "state_store"}}, 'stream.dedup = "index"'),
+                       ({"telemetry": {"sparkplug": True, "sparkplug_groups": ["a/b"]}}, "sparkplug_groups")):
+        with pytest.raises((SettingsError, ValueError), match=words):
+            load_settings(environ={}, **bad)
