@@ -92,4 +92,4 @@ dashboard: install      ## ops dashboard on http://127.0.0.1:8050
 	$(BIN)/iotlake dashboard
 
 clean:
-	rm -rf data .pytest_cache $(JARS)
+	rm -rf data .pytest_cache $(JARS) $(EDGE_VENV)

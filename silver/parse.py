@@ -80,6 +80,12 @@ def _event_time(number: Column, fmt: str) -> Column:
     return F.coalesce(iso, F.when(number < 1e11, seconds).when(number < 1e14, millis).otherwise(micros))
 
 
+def mqtt_topic() -> Column:
+    """A bronze record's MQTT topic: the bridge's ``mqtt_topic`` header (its first), else null."""
+    first = F.get(F.col("headers"), 0)
+    return F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))
+
+
 def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column]]:
     """(device id, {topic part: value}) from the bridge's ``mqtt_topic`` header (the first header
     it writes), matched against the model's topic pattern; nulls when the record has no such
@@ -87,8 +93,7 @@ def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column
     names = topic_parts(model.topic_pattern)
     if not names:
         return None, {}
-    first = F.get(F.col("headers"), 0)
-    topic = F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))
+    topic = mqtt_topic()
     regex = model.topic_regex()
     parts = {n: F.nullif(F.regexp_extract(topic, regex, i + 1), F.lit("")) for i, n in enumerate(names)}
     return parts.pop("device_id", None), parts

@@ -38,6 +38,7 @@ from lakehouse.sparkplug import (
     payload_class,
 )
 from lakehouse.telemetry import TelemetryModel
+from silver.parse import mqtt_topic
 
 
 def event_id(topic: str, payload: bytes) -> str:
@@ -193,9 +194,7 @@ def sparkplug_rows(bronze: DataFrame, model: TelemetryModel, parsed_schema: Stru
                 res[c] = None
         yield res[columns]
 
-    first = F.get(F.col("headers"), 0)
-    topic = F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))
-    return (bronze.withColumn("mqtt_topic", topic)
+    return (bronze.withColumn("mqtt_topic", mqtt_topic())
             .where(is_sparkplug(F.col("mqtt_topic")))
             .withColumn("node_key", F.concat_ws("/", *[F.split("mqtt_topic", "/").getItem(i) for i in (1, 3)]))
             .select("node_key", "mqtt_topic", "value", "topic", "partition", "offset", "ingest_time",

@@ -38,7 +38,7 @@ from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
 from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
-from silver.parse import PARSE_CHECKS, parse, parse_checks
+from silver.parse import PARSE_CHECKS, mqtt_topic, parse, parse_checks
 from silver.sparkplug import is_sparkplug, sparkplug_rows
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,7 @@ def validated(bronze: DataFrame, suite: Suite | None = None,
     dedup key and event time."""
     model = model or TelemetryModel()
     if model.sparkplug:  # Sparkplug B topics take their own (stateful) decoder
-        first = F.get(F.col("headers"), 0)
-        sp = F.coalesce(is_sparkplug(F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))),
-                        F.lit(False))
+        sp = F.coalesce(is_sparkplug(mqtt_topic()), F.lit(False))
         parsed = parse(bronze.where(~sp), model)
         parsed = parsed.unionByName(sparkplug_rows(bronze, model, parsed.schema))
     else:
