@@ -10,8 +10,9 @@ must survive micro-batches and restarts) and turns each message into at most one
 reading (the model's metrics by Sparkplug metric name: ``Metric.path`` is the name) or a status
 event. A data message with an alias no birth declared loses nothing: it becomes a reading with
 reason ``unknown_alias`` (quarantined with its raw payload) and the node is marked for a rebirth
-request. A sequence gap (messages lost between the node and the broker) is counted and also asks
-for a rebirth; the message itself is kept when its aliases resolve.
+request. A sequence gap (messages lost between the node and the broker) asks for a rebirth too,
+and the first message after it carries ``"seq_gap": true`` in ``extra``; the message itself is
+kept when its aliases resolve.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class EdgeNodeState:
             self.seq = None
             row["status"] = "offline"
             return row
-        self._check_seq(p, topic.type, out)
+        if self._check_seq(p, topic.type, out):
+            row["seq_gap"] = True  # messages before this one were lost: flagged in ``extra``
         if topic.type == "DDEATH":
             row["status"] = "offline"
             return row
@@ -128,15 +130,19 @@ class EdgeNodeState:
             out.rebirth = True
         return row
 
-    def _check_seq(self, p: Any, kind: str, out: Output) -> None:
+    def _check_seq(self, p: Any, kind: str, out: Output) -> bool:
+        """Track the node's sequence number; True when messages were lost before this one."""
         seq = p.seq if p.HasField("seq") else None
         if kind == "NBIRTH" or seq is None:
             self.seq = seq
-            return
-        if self.seq is not None and seq != (self.seq + 1) % 256:
+            return False
+        # the same number again is a redelivery (silver drops it as a duplicate), not a loss
+        gap = self.seq is not None and seq not in (self.seq, (self.seq + 1) % 256)
+        if gap:
             out.seq_gaps += 1
             out.rebirth = True
         self.seq = seq
+        return gap
 
 
 # ---- in the silver stream -------------------------------------------------------------------
@@ -181,7 +187,8 @@ def sparkplug_rows(bronze: DataFrame, model: TelemetryModel, parsed_schema: Stru
             "event_time": pd.to_datetime([r["event_time_ms"] for r in rows], unit="ms", utc=True),
             "status": [r["status"] for r in rows],
             "extra": [json.dumps({"sparkplug_group": r["sparkplug_group"], "sparkplug_node": r["sparkplug_node"],
-                                  "message_type": r["message_type"]}) for r in rows],
+                                  "message_type": r["message_type"], **({"seq_gap": True} if r.get("seq_gap") else {})})
+                      for r in rows],
             "parse_reasons": [r["reasons"] for r in rows],
             "schema_version": 1,
         })

@@ -102,6 +102,7 @@ def test_sequence_gap_is_counted_and_the_reading_kept() -> None:
                             msg("DDATA", 6, 2000, [by_alias(2, 4.5)])))
     assert out.seq_gaps == 1 and out.rebirth
     assert [r["values"]["pressure_bar"] for r in out.readings[2:]] == [4.4, 4.5]
+    assert [r.get("seq_gap", False) for r in out.readings] == [False, False, True, False]
 
 
 def test_sequence_wraps_at_256() -> None:
@@ -118,6 +119,7 @@ def test_deaths_and_duplicates() -> None:
     out = run(state, encoded[:3] + [encoded[2]] + encoded[3:])  # the DDATA delivered twice
     ids = [r["event_id"] for r in out.readings]
     assert ids[2] == ids[3] and len(set(ids)) == len(ids) - 1  # silver's dedup drops the second
+    assert out.seq_gaps == 0  # a redelivery is not a lost message
     assert [(r["device_id"], r["status"], r["event_time_ms"]) for r in out.readings[-2:]] == [
         ("plant1/gw1/pump7", "offline", T0 + 2000), ("plant1/gw1", "offline", T0 + 3000)]
 
