@@ -41,6 +41,7 @@ from ingest.simulator import mqtt_client
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings, SettingsError, load_settings
 from lakehouse.sparkplug import NAMESPACE as SPARKPLUG
+from lakehouse.sparkplug import rebirth_request
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,12 @@ class Bridge:
         self._dlq_topic = settings.kafka.dead_letter_topic
         self._dev_level = device_index(settings.mqtt.topic_filter, settings.telemetry.device_level
                                        if settings.subscribes_to_model else None)
+        # Sparkplug edge nodes whose NBIRTH this bridge saw (since it started), and when each
+        # node without one was last asked for a rebirth
+        self._rebirth = settings.telemetry.sparkplug and b.sparkplug_rebirth
+        self._rebirth_every = b.sparkplug_rebirth_interval_seconds
+        self._born: set[str] = set()
+        self._asked: dict[str, float] = {}
         filters = (settings.mqtt.topic_filter, *settings.telemetry.sparkplug_filters)
         self.subscriptions = [f"$share/{b.share_group}/{f}" if b.instances > 1 else f for f in filters]
         self.subscription = ", ".join(self.subscriptions)
@@ -279,6 +286,8 @@ class Bridge:
         last: dict[tuple[str, int], int] = {}
         for i, (topic_raw, mid, retain, payload) in enumerate(rows):
             info = topics.get(topic_raw) or self._topic_info(topic_raw)
+            if info[5] is not None:
+                self._sparkplug_node(*info[5])
             headers = [info[3], _QOS[1], _RETAIN[1 if retain else 0], rx_at, self._bid_header]
             e = _Entry(self, mid, 1, gen, t0, info[0], payload, headers)
             pending.append(e)
@@ -385,13 +394,18 @@ class Bridge:
         target, key = self._route(topic), self._key(topic)
         n = self._nparts.get(target) if target else None
         pkey = (target, zlib.crc32(key) % n) if n and key is not None else None
-        info = (topic, target, key, ("mqtt_topic", topic_raw), pkey)
+        levels = topic.split("/")
+        node = (levels[1], levels[2], levels[3]) if self._rebirth and levels[0] == SPARKPLUG \
+            and len(levels) >= 4 else None  # (group, message type, edge node)
+        info = (topic, target, key, ("mqtt_topic", topic_raw), pkey, node)
         self._topics[topic_raw] = info
         return info
 
     def _handle(self, topic_raw: bytes, mid: int, qos: int, retain: int, payload: bytes) -> None:
         self._c["received"] += 1
         info = self._topics.get(topic_raw) or self._topic_info(topic_raw)
+        if info[5] is not None:
+            self._sparkplug_node(*info[5])
         headers = [info[3], _QOS[qos], _RETAIN[1 if retain else 0], self._rx_at, self._bid_header]
         e = _Entry(self, mid, qos, self._gen, self._rx_t0, info[0], payload, headers)
         self._pending.append(e)
@@ -402,6 +416,22 @@ class Bridge:
             self._dead_letter(e, "payload_too_large")
         else:  # a report of its own; the same partition as the per-round path would choose
             self._produce(e, target, info[2], payload, headers, info[4][1] if info[4] else -1)
+
+    def _sparkplug_node(self, group: str, kind: str, node: str) -> None:
+        """Track an edge node's births; ask a node that sends without one for a rebirth."""
+        key = f"{group}/{node}"
+        if kind == "NBIRTH":
+            self._born.add(key)
+        elif kind == "NDEATH":
+            self._born.discard(key)
+        elif key not in self._born:
+            now = time.monotonic()
+            if now - self._asked.get(key, -self._rebirth_every) >= self._rebirth_every:
+                self._asked[key] = now
+                self._client.publish(f"{SPARKPLUG}/{group}/NCMD/{node}",
+                                     rebirth_request(int(time.time() * 1000)), qos=0)
+                log.info("bridge %s: asked Sparkplug node %s for a rebirth (%s before any birth)",
+                         self.bridge_id, key, kind)
 
     # ---- routing -------------------------------------------------------------------------
     def _route(self, topic: str) -> str | None:

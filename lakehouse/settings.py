@@ -121,6 +121,12 @@ class BridgeSettings(_Section):
     # records of a partition, under librdkafka's gapless guarantee); true: a report per record,
     # which the bridge also switches to by itself after an unexpected Kafka error.
     per_message_delivery_reports: bool = False
+    # With telemetry.sparkplug: ask an edge node to publish its births again (NCMD
+    # "Node Control/Rebirth", as a Sparkplug host application does) when it sends data before
+    # any birth this bridge has seen, at most once per node per interval. Needs the broker to let
+    # the bridge publish to spBv1.0/<group>/NCMD/<node>.
+    sparkplug_rebirth: bool = True
+    sparkplug_rebirth_interval_seconds: float = Field(30.0, gt=0)
     # Kafka reachable but confirming nothing for this long (e.g. a broker that came back empty
     # and no longer knows the producer's id): start over with a new producer and re-read
     # everything unacknowledged from MQTT.

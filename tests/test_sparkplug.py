@@ -362,3 +362,55 @@ def test_sparkplug_settings_fail_fast() -> None:
                        ({"telemetry": {"sparkplug": True, "sparkplug_groups": ["a/b"]}}, "sparkplug_groups")):
         with pytest.raises((SettingsError, ValueError), match=words):
             load_settings(environ={}, **bad)
+
+
+def test_the_bridge_asks_a_node_without_a_birth_for_a_rebirth(settings) -> None:
+    """Data from an edge node whose NBIRTH the bridge never saw: one NCMD "Node Control/Rebirth"
+    (pysparkplug decodes it), not one per message; after the node's birth, none."""
+    import threading
+    import time
+
+    import paho.mqtt.client as mqtt
+    from test_bridge import derive, running
+
+    from ingest.bridge import Bridge
+
+    group = f"r{time.time_ns()}"
+    s = derive(settings, telemetry={"sparkplug": True, "sparkplug_groups": [group], "status_rules": [],
+                                    "metrics": [{"name": "pressure_bar", "path": "Pressure"}]})
+    host, port = s.mqtt_endpoint
+    commands: list[tuple[str, bytes]] = []
+    got = threading.Event()
+
+    def on_message(client, userdata, m) -> None:
+        commands.append((m.topic, m.payload))
+        got.set()
+
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    watcher.on_message = on_message
+    watcher.connect(host, port)
+    watcher.subscribe(f"spBv1.0/{group}/NCMD/+", qos=1)
+    watcher.loop_start()
+    try:
+        time.sleep(0.5)
+        data = [msg("DDATA", i, 1000 + i, [{"name": "Pressure", "datatype": "DOUBLE", "value": 1.0}], group=group)
+                for i in range(1, 4)]
+        with running(Bridge(s, "b-rebirth")):
+            subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)],
+                           input=json.dumps(data), text=True, timeout=60, check=True)
+            assert got.wait(15), "no rebirth request"
+            time.sleep(1.0)
+            assert [t for t, _ in commands] == [f"spBv1.0/{group}/NCMD/gw1"]  # once, not per message
+            born = [msg("NBIRTH", 0, 5000, group=group), msg("NDATA", 1, 5001, [
+                {"name": "Pressure", "datatype": "DOUBLE", "value": 2.0}], group=group)]
+            subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)],
+                           input=json.dumps(born), text=True, timeout=60, check=True)
+            time.sleep(1.0)
+        assert len(commands) == 1
+    finally:
+        watcher.loop_stop()
+        watcher.disconnect()
+    decoded = json.loads(subprocess.run(
+        [str(EDGE_PYTHON), str(EDGE), "decode"], capture_output=True, text=True, timeout=60, check=True,
+        input=json.dumps([{"topic": t, "payload": p.hex()} for t, p in commands])).stdout)
+    assert decoded[0]["type"] == "NCMD" and decoded[0]["metrics"] == [["Node Control/Rebirth", True]]

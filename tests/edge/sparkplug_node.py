@@ -48,7 +48,7 @@ def decode(items: list[dict]) -> list[dict]:
         raw = bytes.fromhex(item["payload"])
         kind = topic.message_type.value if hasattr(topic.message_type, "value") else str(topic.message_type)
         cls = {"NBIRTH": sp.NBirth, "DBIRTH": sp.DBirth, "NDATA": sp.NData, "DDATA": sp.DData,
-               "DDEATH": sp.DDeath, "NDEATH": sp.NDeath}[kind]
+               "DDEATH": sp.DDeath, "NDEATH": sp.NDeath, "NCMD": sp.NCmd}[kind]
         key = (topic.group_id, topic.edge_node_id, topic.device_id)
         p = cls.decode(raw, birth=births.get(key)) if kind in ("NDATA", "DDATA") else cls.decode(raw)
         if kind in ("NBIRTH", "DBIRTH"):
