@@ -40,8 +40,8 @@ from ingest.mqtt_client import BufferedClient
 from ingest.simulator import mqtt_client
 from lakehouse.kafka_config import client_config
 from lakehouse.settings import Settings, SettingsError, load_settings
-from lakehouse.sparkplug import NAMESPACE as SPARKPLUG
-from lakehouse.sparkplug import rebirth_request
+from lakehouse.sparkplug import NAMESPACE, parse_topic, rebirth_request
+from lakehouse.sparkplug import Topic as SparkplugTopic
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class Bridge:
         for i, (topic_raw, mid, retain, payload) in enumerate(rows):
             info = topics.get(topic_raw) or self._topic_info(topic_raw)
             if info[5] is not None:
-                self._sparkplug_node(*info[5])
+                self._sparkplug_node(info[5])
             headers = [info[3], _QOS[1], _RETAIN[1 if retain else 0], rx_at, self._bid_header]
             e = _Entry(self, mid, 1, gen, t0, info[0], payload, headers)
             pending.append(e)
@@ -394,10 +394,8 @@ class Bridge:
         target, key = self._route(topic), self._key(topic)
         n = self._nparts.get(target) if target else None
         pkey = (target, zlib.crc32(key) % n) if n and key is not None else None
-        levels = topic.split("/")
-        node = (levels[1], levels[2], levels[3]) if self._rebirth and levels[0] == SPARKPLUG \
-            and len(levels) >= 4 else None  # (group, message type, edge node)
-        info = (topic, target, key, ("mqtt_topic", topic_raw), pkey, node)
+        sp = parse_topic(topic) if self._rebirth else None
+        info = (topic, target, key, ("mqtt_topic", topic_raw), pkey, sp)
         self._topics[topic_raw] = info
         return info
 
@@ -405,7 +403,7 @@ class Bridge:
         self._c["received"] += 1
         info = self._topics.get(topic_raw) or self._topic_info(topic_raw)
         if info[5] is not None:
-            self._sparkplug_node(*info[5])
+            self._sparkplug_node(info[5])
         headers = [info[3], _QOS[qos], _RETAIN[1 if retain else 0], self._rx_at, self._bid_header]
         e = _Entry(self, mid, qos, self._gen, self._rx_t0, info[0], payload, headers)
         self._pending.append(e)
@@ -417,21 +415,21 @@ class Bridge:
         else:  # a report of its own; the same partition as the per-round path would choose
             self._produce(e, target, info[2], payload, headers, info[4][1] if info[4] else -1)
 
-    def _sparkplug_node(self, group: str, kind: str, node: str) -> None:
+    def _sparkplug_node(self, sp: SparkplugTopic) -> None:
         """Track an edge node's births; ask a node that sends without one for a rebirth."""
-        key = f"{group}/{node}"
-        if kind == "NBIRTH":
+        key = sp.node_key
+        if sp.type == "NBIRTH":
             self._born.add(key)
-        elif kind == "NDEATH":
+        elif sp.type == "NDEATH":
             self._born.discard(key)
         elif key not in self._born:
             now = time.monotonic()
             if now - self._asked.get(key, -self._rebirth_every) >= self._rebirth_every:
                 self._asked[key] = now
-                self._client.publish(f"{SPARKPLUG}/{group}/NCMD/{node}",
+                self._client.publish(f"{NAMESPACE}/{sp.group}/NCMD/{sp.node}",
                                      rebirth_request(int(time.time() * 1000)), qos=0)
                 log.info("bridge %s: asked Sparkplug node %s for a rebirth (%s before any birth)",
-                         self.bridge_id, key, kind)
+                         self.bridge_id, key, sp.type)
 
     # ---- routing -------------------------------------------------------------------------
     def _route(self, topic: str) -> str | None:
@@ -450,12 +448,12 @@ class Bridge:
         return target
 
     def _key(self, topic: str) -> bytes | None:
-        levels = topic.split("/")
-        if levels[0] == SPARKPLUG and len(levels) >= 4:
-            # an edge node's messages keep their order: one key (partition) per node
-            return f"{levels[1]}/{levels[3]}".encode()
+        sp = parse_topic(topic)
+        if sp is not None:  # an edge node's messages keep their order: one key (partition) per node
+            return sp.node_key.encode()
         if self._dev_level is None:
             return None
+        levels = topic.split("/")
         return levels[self._dev_level].encode() if len(levels) > self._dev_level else None
 
     # ---- Kafka ---------------------------------------------------------------------------
