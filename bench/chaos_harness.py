@@ -185,6 +185,15 @@ class Role:
         return self._commits() >= self._commits_at_start + batches
 
 
+def _log_tail(path: Path, chars: int = 2500) -> str:
+    """The end of a role's log without JVM warnings and Java stack frames: why it exited."""
+    if not path.exists():
+        return ""
+    lines = [ln for ln in path.read_text(errors="replace").splitlines()
+             if not ln.lstrip().startswith("at ") and " WARN " not in ln and "FutureWarning" not in ln]
+    return "\n".join(lines)[-chars:]
+
+
 def _data_files(table: str) -> int:
     """Files in the table's current version (0 before it exists)."""
     from lakehouse.delta_read import open_table, table_exists
@@ -635,9 +644,9 @@ class Chaos:
         for r in self.roles.values():
             if r.proc is not None and not r.alive:
                 r.crashes += 1
-                tail = r.log_file.read_text(errors="replace")[-1500:] if r.log_file.exists() else ""
+                tail = _log_tail(r.log_file)
                 self.log(f"{r.name} exited by itself (rc={r.proc.returncode}); restarting. Log tail:\n{tail}")
-                self.events.append({"t": self._t(), "crash": r.name, "rc": r.proc.returncode})
+                self.events.append({"t": self._t(), "crash": r.name, "rc": r.proc.returncode, "tail": tail})
                 r.start()
 
     def _t(self) -> float:
@@ -782,7 +791,9 @@ class Chaos:
             "rate": cfg.rate, "partitions": cfg.partitions,
             **{k: result[k] for k in ("bronze_rows", "silver_rows", "quarantine_rows", "gold_windows",
                                       "final_windows", "final_windows_bad", "accounting_ok")},
-            "detail": result["detail"],
+            "detail": {**result["detail"],  # why a role exited by itself (CI shows only this)
+                       "crash_logs": [{k: e[k] for k in ("t", "crash", "rc", "tail")}
+                                      for e in self.events if "crash" in e][:3]},
         }
         out["ok"] = (out["lost"] == 0 and out["duplicated"] == 0 and out["mismatched_windows"] == 0
                      and out["final_windows_bad"] == 0 and not out["stuck"] and out["accounting_ok"]
