@@ -6,7 +6,9 @@ Runs ``iotlake run`` (embedded Mosquitto + Apache Kafka, bridge, all streams) an
 when a committed silver version contains its event_id, and "in device_current" when the
 table's row for the probe device has ``last_seen`` >= the probe's time. Last line: one JSON
 object with ``silver_p50_s``, ``silver_p99_s``, ``current_p99_s``, ``events`` and the trigger
-settings used.
+settings used. ``--rates 0,200,1000,5000`` runs once per rate (a fresh data root each) and ends with
+``cores_idle``, ``cores_<rate>``, ``silver_p50_s_<rate>``, ``silver_p99_s_<rate>``,
+``current_p99_s_<rate>`` and ``achieved_<rate>``.
 """
 
 from __future__ import annotations
@@ -57,9 +59,42 @@ def main() -> None:
                     help="spark.shuffle_partitions (state store partitions; 0: the setting's default)")
     ap.add_argument("--smoke", action="store_true",
                     help="a short run at a low rate that checks the bench still works")
+    ap.add_argument("--rates", default="",
+                    help="comma-separated rates, one run each (0: the pipeline with no data "
+                         "flowing); the last line then has cores_<rate> and the latencies at "
+                         "1000 and 5000 events/s")
     args = ap.parse_args()
     if args.smoke:
         args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 8, 2, 2
+        args.rates = "50"
+    if not args.rates:
+        print(json.dumps(run_once(args, args.rate)))
+        return
+    runs = {}
+    for rate in (float(r) for r in args.rates.split(",")):
+        runs[rate] = run_once(args, rate)
+        print(f"# rate {rate:g}: {json.dumps(runs[rate])}", flush=True)
+    print(json.dumps(summary(runs)))
+
+
+def summary(runs: dict[float, dict]) -> dict:
+    """The issue's figures from one run per rate: cores of ``iotlake run`` itself per rate
+    (``cores_idle`` at 0), silver p50 / p99, device_current p99 and the simulator's achieved
+    rate at each rate with data."""
+    out: dict = {}
+    for rate, r in runs.items():
+        key = "idle" if rate == 0 else f"{rate:g}"
+        out[f"cores_{key}"] = r["cores_iotlake"]
+        if rate > 0:
+            out[f"silver_p50_s_{key}"] = r["silver_p50_s"]
+            out[f"silver_p99_s_{key}"] = r["silver_p99_s"]
+            out[f"current_p99_s_{key}"] = r["current_p99_s"]
+            out[f"achieved_{key}"] = r["achieved_rate"]
+    return {**out, "load": os.getloadavg()[0]}
+
+
+def run_once(args: argparse.Namespace, rate: float) -> dict:
+    """One ``iotlake run`` with the simulator at ``rate`` (none at 0) and probes (none at 0)."""
     spark_opts = {"shuffle_partitions": args.shuffle_partitions} if args.shuffle_partitions else {}
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
@@ -86,16 +121,20 @@ def main() -> None:
         _wait(lambda: Path(settings.table_path("silver"), "_delta_log").exists() and child.poll() is None,
               120, "pipeline start")
         nice = ["nice", "-n", str(args.simulator_nice)] if args.simulator_nice else []
-        sim = subprocess.Popen([*nice, sys.executable, "-m", "orchestration.cli", "simulate", "--rate",
-                                str(args.rate), "--devices", str(args.devices)], env=env,
-                               stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
+        if rate > 0:
+            sim = subprocess.Popen([*nice, sys.executable, "-m", "orchestration.cli", "simulate",
+                                    "--rate", str(rate), "--devices", str(args.devices)], env=env,
+                                   stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
         sim_start = time.monotonic()
         time.sleep(args.warmup)
         sample_from = time.time()
         cpu_from = _cpu_by_role()
         watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
         watcher.start()
-        _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
+        if rate > 0:
+            _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
+        else:  # no data flowing: what the pipeline costs while it waits
+            time.sleep(args.seconds - args.warmup)
         time.sleep(5 if args.smoke else 15)  # let the last probes arrive
         stop.set()
         watcher.join()
@@ -115,13 +154,13 @@ def main() -> None:
     lat_s = np.array([silver_seen[e] - published[e] for e in published if e in silver_seen])
     lat_c = np.array([current_seen[e] - published[e] for e in published if e in current_seen])
     result = {
-        "events": len(published), "rate": args.rate, "devices": args.devices,
+        "events": len(published), "rate": rate, "devices": args.devices,
         "silver_seen": int(lat_s.size), "current_seen": int(lat_c.size),
         "silver_p50_s": round(float(np.percentile(lat_s, 50)), 3) if lat_s.size else None,
         "silver_p99_s": round(float(np.percentile(lat_s, 99)), 3) if lat_s.size else None,
         "current_p50_s": round(float(np.percentile(lat_c, 50)), 3) if lat_c.size else None,
         "current_p99_s": round(float(np.percentile(lat_c, 99)), 3) if lat_c.size else None,
-        "achieved_rate": _achieved_rate(root / "simulate.log", sim_seconds),
+        "achieved_rate": _achieved_rate(root / "simulate.log", sim_seconds) if rate > 0 else 0,
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
         "windows_trigger_seconds": args.windows_trigger_seconds, "simulator_nice": args.simulator_nice,
         "shuffle_partitions": shuffle_partitions(settings),
@@ -131,7 +170,8 @@ def main() -> None:
     for name, parts in _batch_profile(settings, sample_from).items():
         print(f"# {name}: {json.dumps(parts)}")
     print(f"# cores used while sampling: {json.dumps(cores)}")
-    print(json.dumps(result))
+    return result
+
 
 
 def _achieved_rate(log: Path, seconds: float) -> float | None:

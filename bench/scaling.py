@@ -9,7 +9,10 @@ streams' code and checkpoints), after a small warm-up topic that pays Python-wor
 
 Every configuration runs in its own process, one after another (one driver JVM at a time).
 Rates are rows / wall seconds of the layer's availableNow run. Last line: one JSON object with
-rows/s per configuration and ``speedup_2x`` (cluster, 2 workers over 1, bronze+silver).
+rows/s per configuration and ``speedup_2x`` (cluster, 2 workers over 1, bronze+silver). Two cores
+cannot show more, so it also says what limits scale: CPU-seconds per million rows on the driver
+(serial) and on executors (parallel) in the widest local run (``bench/spark_cpu.py``), and the
+speedups Amdahl's law gives for 8 and 32 executors (``predicted_speedup_8``, ``_32``).
 
     .venv/bin/python bench/scaling.py [--messages 200000]
 """
@@ -63,24 +66,37 @@ def produce(settings: Settings, n: int, devices: int = 500) -> None:
 
 def child(cfg: str, topics: list[str]) -> None:
     """Drain each topic through bronze and silver; print {topic: {rows, bronze_s, silver_s}}."""
+    from spark_cpu import SparkCpuSampler
+
+    from lakehouse.spark import spark_session
     from orchestration.backfill import backfill
 
     base = load_settings(cfg)
+    jvm = spark_session(base)._jvm.java.lang.ProcessHandle.current().pid()
     out = {}
     for topic in topics:
         s = base.model_copy(deep=True)
         s.data_root = str(Path(base.data_root) / topic)
         s.kafka.topic = topic
+        cpu = SparkCpuSampler(jvm).start() if jvm_is_local(base) else None
         t0 = time.perf_counter()
         done_b = backfill(s, ["bronze"])["bronze"]
         t1 = time.perf_counter()
         done_s = backfill(s, ["silver"])["silver"]
         t2 = time.perf_counter()
+        split = cpu.stop() if cpu else None
         silver = DeltaTable(s.table_path("silver")).to_pyarrow_dataset().count_rows()
         out[topic] = {"rows": done_b, "silver_in": done_s, "silver_rows": silver,
-                      "bronze_s": round(t1 - t0, 2), "silver_s": round(t2 - t1, 2)}
+                      "bronze_s": round(t1 - t0, 2), "silver_s": round(t2 - t1, 2),
+                      **({"cpu": {"serial": split.serial, "parallel": split.parallel,
+                                  **split.__dict__}} if split else {})}
         logging.info("%s: %s", topic, out[topic])
     print(json.dumps(out), flush=True)
+
+
+def jvm_is_local(settings: Settings) -> bool:
+    """Driver and executors in one JVM: its threads tell them apart (bench/spark_cpu.py)."""
+    return settings.spark.master.startswith("local")
 
 
 def run_child(settings: Settings, work: Path, name: str, topics: list[str]) -> dict:
@@ -168,7 +184,25 @@ def main() -> None:
         "speedup_2x": round(e2e("cluster_2w_p4") / e2e("cluster_1w_p4"), 2),
         "speedup_local2_over_local1_p4": round(e2e("local2_p4") / e2e("local1_p4"), 2),
         "speedup_p4_over_p1_local2": round(e2e("local2_p4") / e2e("local2_p1"), 2)}
-    print(json.dumps({"messages": args.messages, **rate, **speedups}))
+    print(json.dumps({"messages": args.messages, **rate, **speedups, **on_paper(results)}))
+
+
+def on_paper(results: dict[str, dict]) -> dict:
+    """What limits scale: driver (serial) and executor (parallel) CPU-seconds per million rows of
+    Kafka -> bronze -> silver, from the widest local run on 4 partitions, and Amdahl's law."""
+    name = "local2_p4" if "local2_p4" in results else "local1_p4"
+    r = results[name]
+    per_m = 1e6 / r["rows"]
+    cpu = {k: v * per_m for k, v in r["cpu"].items()}
+    d, e = cpu["serial"], cpu["parallel"]
+
+    def amdahl(n: int) -> float:
+        return round((d + e) / (d + e / n), 2)
+
+    return {"driver_cpu_s_per_m": round(d, 1), "executor_cpu_s_per_m": round(e, 1),
+            "predicted_speedup_8": amdahl(8), "predicted_speedup_32": amdahl(32),
+            "cpu_measured_on": name,
+            "cpu_s_per_m": {k: round(v, 1) for k, v in cpu.items() if k not in ("serial", "parallel")}}
 
 
 if __name__ == "__main__":

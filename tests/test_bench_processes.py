@@ -20,10 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS = {
     "anomaly_quality": ("score", "baseline_score", "readings_per_s"),
     "bridge_throughput": (),
-    "e2e_latency": (),
+    "e2e_latency": ("cores_50", "silver_p50_s_50", "silver_p99_s_50", "current_p99_s_50", "achieved_50"),
     "jvm_startup": (),
     "query_latency": (),
-    "scaling": ("messages", "local1_p4_rows_per_s"),
+    "scaling": ("messages", "local1_p4_rows_per_s", "driver_cpu_s_per_m", "executor_cpu_s_per_m",
+                "predicted_speedup_8", "predicted_speedup_32"),
 }
 
 
