@@ -115,13 +115,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--warmup", type=int, default=2_000)
+    ap.add_argument("--dedup", choices=("index", "state_store"), default=None,
+                    help="silver's stream.dedup (default: the setting's): state_store keeps a "
+                         "batch on the executors, index collects it to the driver")
+    ap.add_argument("--on-paper", action="store_true",
+                    help="only what the scale-out figures need: local[2] on 4 partitions "
+                         "(after the warm-up), no 1-core or cluster runs")
     ap.add_argument("--child")
     ap.add_argument("--topics")
     ap.add_argument("--smoke", action="store_true",
                     help="a small run that checks the bench still works: local[1] and 4 partitions "
                          "only (the standalone cluster is tests/test_scaleout.py's)")
     args = ap.parse_args()
-    partitions = (4,) if args.smoke else PARTITIONS
+    partitions = (4,) if args.smoke or args.on_paper else PARTITIONS
     if args.smoke:
         args.messages, args.warmup = 2_000, 200
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
@@ -140,6 +146,8 @@ def main() -> None:
         s = base.model_copy(deep=True)
         s.kafka.bootstrap = base.kafka_bootstrap
         s.spark.driver_memory = "1g"
+        if args.dedup:
+            s.stream.dedup = args.dedup
         s.spark.shuffle_partitions = 4
         s.stream.max_offsets_per_trigger = max(args.messages, 1)
         s.stream.silver_max_files_per_trigger = 100_000  # one silver batch for the whole topic
@@ -155,12 +163,12 @@ def main() -> None:
         logging.info("produced %d messages into each of %s", args.messages, list(topics))
 
         results: dict[str, dict] = {}
-        for cores in (1,) if args.smoke else (1, 2):
+        for cores in (1,) if args.smoke else (2,) if args.on_paper else (1, 2):
             s.spark.master, s.spark.conf = f"local[{cores}]", {}
             r = run_child(s, work, f"local{cores}", [*warm, *(f"p{n}" for n in partitions)])
             for n in partitions:
                 results[f"local{cores}_p{n}"] = r[f"p{n}"]
-        for workers in () if args.smoke else (1, 2):
+        for workers in () if args.smoke or args.on_paper else (1, 2):
             with StandaloneCluster(workers=workers, cores=1, memory="1g",
                                    work_dir=work / f"cluster{workers}") as c:
                 s.spark.master, s.spark.conf = c.master_url, cluster_conf("768m", cores_max=workers)
@@ -180,11 +188,12 @@ def main() -> None:
         return rate[f"{k}_rows_per_s"]["bronze_silver"]
 
     shutil.rmtree(work, ignore_errors=True)
-    speedups = {} if args.smoke else {
+    speedups = {} if args.smoke or args.on_paper else {
         "speedup_2x": round(e2e("cluster_2w_p4") / e2e("cluster_1w_p4"), 2),
         "speedup_local2_over_local1_p4": round(e2e("local2_p4") / e2e("local1_p4"), 2),
         "speedup_p4_over_p1_local2": round(e2e("local2_p4") / e2e("local2_p1"), 2)}
-    print(json.dumps({"messages": args.messages, **rate, **speedups, **on_paper(results)}))
+    print(json.dumps({"messages": args.messages, "dedup": s.stream.dedup, **rate, **speedups,
+                      **on_paper(results)}))
 
 
 def on_paper(results: dict[str, dict]) -> dict:

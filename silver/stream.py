@@ -31,13 +31,21 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse import delta_tables
 from lakehouse.delta_read import open_table
+from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
-from silver.expectations import Suite, arrow_quality, failure_counts, failure_names, load_suite
+from silver.expectations import (
+    Suite,
+    arrow_quality,
+    failure_counts,
+    failure_names,
+    load_suite,
+    quality_summary,
+)
 from silver.parse import PARSE_CHECKS, mqtt_topic, parse, parse_checks
 from silver.sparkplug import is_sparkplug, sparkplug_rows
 
@@ -163,8 +171,21 @@ def parse_quality(reasons: pa.ChunkedArray,
                   checks: tuple[tuple[str, str], ...] = PARSE_CHECKS) -> list[dict]:
     """Quality-log rows (kind ``row``) for every parse check; ``not_json`` is checked on every row,
     the others on the rows that are JSON objects."""
-    n = len(reasons)
-    counts = failure_counts(reasons)
+    return parse_quality_counts(len(reasons), failure_counts(reasons), checks)
+
+
+def reason_counts(groups: dict[str, int]) -> dict[str, int]:
+    """Rows per reason from rows per comma-joined ``reasons`` string."""
+    out: dict[str, int] = {}
+    for joined, n in groups.items():
+        for name in filter(None, (joined or "").split(",")):
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+def parse_quality_counts(n: int, counts: dict[str, int],
+                         checks: tuple[tuple[str, str], ...] = PARSE_CHECKS) -> list[dict]:
+    """``parse_quality`` from the batch's row count and its rows per reason."""
     n_json = n - counts.get("not_json", 0)
     rows = []
     for name, column in checks:
@@ -208,20 +229,8 @@ class SilverBatchWriter:
             self.index.log(batch_id, added)  # durable before anything of the batch commits
             duplicates = rows_in - out.num_rows - late.num_rows
         else:
-            out = df.toArrow()  # always run the batch: Spark checks every state store committed
-            dropped = dropped_by_spark(self.spark, self.app_id, batch_id)
-            if dropped is None:
-                raise RuntimeError(f"silver batch {batch_id}: the dedup operator's metrics are "
-                                   "unavailable; the batch cannot be accounted for")
-            late_n, duplicates = dropped
-            if late_n:
-                raise RuntimeError(f"silver batch {batch_id}: {late_n} late rows dropped by the "
-                                   "state store cannot be quarantined")
-            late = QUARANTINE.empty_table()
-            rows_in = out.num_rows + late_n + duplicates
-            if rows_in == 0:  # no-data batch (watermark advance only): nothing to write
-                self.last_counts = {}
-                return
+            self._write_distributed(df.persist(), batch_id, now)
+            return
         reasons = out.column("reasons")
         bad = pc.not_equal(reasons, "")
         silver = out.filter(pc.invert(bad)).select(self.schema.names).cast(self.schema)
@@ -240,6 +249,54 @@ class SilverBatchWriter:
             self.index.commit(batch_id, added)
             note_batch(self.app_id, batch_id, state_rows=len(self.index),
                        rows_dropped_by_watermark=late.num_rows, duplicates_dropped=duplicates)
+
+    def _write_distributed(self, df: DataFrame, batch_id: int, now: datetime) -> None:
+        """``stream.dedup = "state_store"``: the rows never reach the driver, only their counts by
+        reasons do, so on a cluster the executors parse, validate and write the batch (the index
+        mode collects every batch to the driver's Python). ``df`` is persisted: its one run
+        feeds the counts, the writes and the quality aggregation, and the dedup operator's
+        metrics count each row once."""
+        try:
+            groups = {r["reasons"]: r["n"] for r in
+                      df.groupBy("reasons").agg(F.count(F.lit(1)).alias("n")).collect()}
+            dropped = dropped_by_spark(self.spark, self.app_id, batch_id)
+            if dropped is None:
+                raise RuntimeError(f"silver batch {batch_id}: the dedup operator's metrics are "
+                                   "unavailable; the batch cannot be accounted for")
+            late_n, duplicates = dropped
+            if late_n:
+                raise RuntimeError(f"silver batch {batch_id}: {late_n} late rows dropped by the "
+                                   "state store cannot be quarantined")
+            rows_out = sum(groups.values())
+            if rows_out + duplicates == 0:  # no-data batch (watermark advance only)
+                self.last_counts = {}
+                return
+            valid = groups.get("", 0)
+            self.last_counts = {"rows_in": rows_out + duplicates, "silver": valid,
+                                "quarantine": rows_out - valid, "duplicates": duplicates, "late": 0}
+            bad = F.col("reasons") != ""
+            silver = df.where(~bad).select([F.col(f.name).cast(f.dataType)
+                                            for f in spark_schema(self.schema).fields])
+            source = {"reason": F.col("reasons"), "quarantined_at": F.lit(now)}
+            quarantine = df.where(bad).select([source.get(f.name, F.col(f.name)).cast(f.dataType).alias(f.name)
+                                               for f in spark_schema(QUARANTINE).fields])
+            rows = [dict(expectation=k, column=None, kind="counter", evaluated=None, passed=None,
+                         failed=None, success=True, details=json.dumps({"count": v}))
+                    for k, v in self.last_counts.items()]
+            rows += parse_quality_counts(rows_out, reason_counts(groups), self.checks)
+            if self.suite is not None:
+                judged = df.where(F.col("reasons") != "not_json").withColumn(
+                    "_failures", F.split("reasons", ","))
+                rows += quality_summary(judged, self.suite, "_failures")
+            for r in rows:
+                r.update(query_id=self.app_id, batch_id=batch_id, logged_at=now)
+            quality = self.spark.createDataFrame(pa.Table.from_pylist(rows, schema=QUALITY_LOG))
+            for name, data, n in ((TABLE, silver, valid), (QUARANTINE_TABLE, quarantine, rows_out - valid),
+                                  (QUALITY_TABLE, quality, len(rows))):
+                if n:
+                    delta_tables.append(data, self.paths[name], self.app_id, batch_id)
+        finally:
+            df.unpersist()
 
     def _dedup(self, batch_id: int, out: pa.Table, late_wm: int) -> tuple[pa.Table, pa.Table, pa.Table]:
         """(on-time first occurrences, late rows, keys the batch adds to the index)."""
