@@ -202,6 +202,7 @@ def on_paper(results: dict[str, dict]) -> dict:
     name = "local2_p4" if "local2_p4" in results else "local1_p4"
     r = results[name]
     per_m = 1e6 / r["rows"]
+    threads = r["cpu"].pop("driver_threads", [])
     cpu = {k: v * per_m for k, v in r["cpu"].items()}
     d, e = cpu["serial"], cpu["parallel"]
 
@@ -211,7 +212,8 @@ def on_paper(results: dict[str, dict]) -> dict:
     return {"driver_cpu_s_per_m": round(d, 1), "executor_cpu_s_per_m": round(e, 1),
             "predicted_speedup_8": amdahl(8), "predicted_speedup_32": amdahl(32),
             "cpu_measured_on": name,
-            "cpu_s_per_m": {k: round(v, 1) for k, v in cpu.items() if k not in ("serial", "parallel")}}
+            "cpu_s_per_m": {k: round(v, 1) for k, v in cpu.items() if k not in ("serial", "parallel")},
+            "driver_threads_cpu_s_per_m": {k: round(v * per_m, 1) for k, v in threads[:6]}}
 
 
 if __name__ == "__main__":

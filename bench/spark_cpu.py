@@ -15,6 +15,7 @@ seconds; the JVM's process total (which keeps the CPU of exited threads) bounds 
 from __future__ import annotations
 
 import os
+import re
 import resource
 import threading
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _EXECUTOR = "Executor task"
-_RUNTIME = ("GC Thread", "G1 ", "C1 Compiler", "C2 Compiler", "VM Thread", "VM Periodic")
+_RUNTIME = ("GC Thread", "G1 ", "C1 Compiler", "C2 Compiler", "VM Thread", "VM Periodic", "Sweeper thread")
 
 
 def _stat(path: Path) -> tuple[str, list[str]]:
@@ -46,6 +47,8 @@ class CpuSplit:
     runtime: float
     python_workers: float
     driver_python: float
+    #: driver-side JVM CPU by thread name (digits dropped), largest first: where the serial part goes
+    driver_threads: tuple[tuple[str, float], ...] = ()
 
     @property
     def serial(self) -> float:
@@ -93,15 +96,22 @@ class SparkCpuSampler:
         driver_python = (me.ru_utime - self._self0.ru_utime + me.ru_stime - self._self0.ru_stime
                          - self._sampler_cpu)
         executor = runtime = 0.0
+        by_name: dict[str, float] = {}
         for tid, (name, cpu) in self._last.items():
             used = cpu - self._first.get(tid, 0.0)
             if name.startswith(_EXECUTOR):
                 executor += used
             elif name.startswith(_RUNTIME):
                 runtime += used
+            else:
+                key = re.sub(r"\d+", "N", name)
+                by_name[key] = by_name.get(key, 0.0) + used
+        top = tuple(sorted(((k, round(v, 2)) for k, v in by_name.items() if v > 0),
+                           key=lambda kv: -kv[1])[:10])
         workers = sum(v - self._workers_first.get(p, 0.0) for p, v in self._workers_last.items())
         return CpuSplit(driver_jvm=max(0.0, jvm - executor - runtime), executor_jvm=executor,
-                        runtime=runtime, python_workers=workers, driver_python=max(0.0, driver_python))
+                        runtime=runtime, python_workers=workers, driver_python=max(0.0, driver_python),
+                        driver_threads=top)
 
     def _run(self) -> None:
         t0 = time.thread_time()

@@ -215,6 +215,11 @@ def test_duplicates_within_a_batch_across_batches_and_across_a_restart(spark, la
     assert sorted(quarantined(lake).values()) == ["missing_ts,event_time_not_null"] * 2 + ["not_json"] * 2
     assert accounted(lake, b) == {"rows_in": 32, "silver": 19, "quarantine": 4, "duplicates": 9,
                                   "late": 0}
+    # the quality log judges the same rows either way (state_store: one Spark aggregation)
+    q = table(lake, "quality_log").to_pylist()
+    failed = lambda name: sum(r["failed"] or 0 for r in q if r["expectation"] == name)  # noqa: E731
+    assert {c.name for c in load_suite(SENSOR_SUITE).row_level} <= {r["expectation"] for r in q}
+    assert (failed("event_time_not_null"), failed("not_json"), failed("missing_ts")) == (2, 2, 2)
 
 
 def test_late_rows_are_counted_and_quarantined(spark, lake):
