@@ -257,9 +257,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
+    """Each demo gets a fresh data root of its own under ``<data_root>/demo/`` (tables,
+    checkpoints and the embedded brokers' logs), so its accounting is its run's alone, never the
+    totals of a lake ``iotlake run`` filled."""
+    settings = settings.model_copy(deep=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    if settings.remote:
+        settings.data_root = f"{settings.data_root.rstrip('/')}/demo/{stamp}"
+        settings.storage.checkpoint_root = str(settings.checkpoint_root / "demo" / stamp)
+    else:
+        settings.data_root = str(settings.root / "demo" / stamp)
+    log.info("demo data root: %s (delete it when done)", settings.data_root)
     result = demo(settings, args.events, args.devices, args.duplicates, args.malformed, args.timeout,
                   start=args.start, seed=args.seed, stop_spark=True)
-    print(json.dumps(result))
+    print(json.dumps({**result, "data_root": settings.data_root}))
     return 0 if result["ok"] else 1
 
 

@@ -62,7 +62,8 @@ def _table(s: Settings, name: str, sort: list[str]) -> pd.DataFrame:
 DEMO = {"events": 600, "devices": 6, "duplicates": 15, "malformed": 6, "seed": 3}
 
 
-def _demo(s: Settings, tmp_path: Path, name: str) -> dict:
+def _demo(s: Settings, tmp_path: Path, name: str) -> tuple[dict, Settings]:
+    """The demo CLI's result, and ``s`` pointed at the fresh data root the demo ran in."""
     cfg = s.save(tmp_path / f"{name}.json")
     with open(tmp_path / f"{name}.log", "w") as err:
         proc = subprocess.run(
@@ -71,7 +72,9 @@ def _demo(s: Settings, tmp_path: Path, name: str) -> dict:
             stdout=subprocess.PIPE, stderr=err, text=True, timeout=600, env=_child_env())
     tail = (tmp_path / f"{name}.log").read_text()[-3000:]
     assert proc.returncode == 0, f"{name} demo failed ({proc.returncode}):\n{tail}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(result["data_root"]).parent == s.root / "demo"  # a root of its own, under ours
+    return result, s.model_copy(update={"data_root": result["data_root"]}, deep=True)
 
 
 def test_standalone_cluster_exact(settings: Settings, tmp_path: Path) -> None:
@@ -82,7 +85,7 @@ def test_standalone_cluster_exact(settings: Settings, tmp_path: Path) -> None:
     with StandaloneCluster(workers=2, cores=1, memory="1g", work_dir=tmp_path / "cluster") as c:
         remote = _variant(settings, tmp_path, "cluster", master=c.master_url,
                           conf=cluster_conf("512m", cores_max=2))
-        remote_result = _demo(remote, tmp_path, "cluster")
+        remote_result, remote = _demo(remote, tmp_path, "cluster")
         executor_logs = sorted((tmp_path / "cluster").glob("worker-*/app-*/*/stderr"))
         shipped = {p.parts[-4] for p in (tmp_path / "cluster").glob("worker-*/app-*/*/iotlake-*.zip")}
     # both workers ran tasks, and the driver shipped iotlake's packages to both
@@ -104,9 +107,9 @@ def test_standalone_cluster_exact(settings: Settings, tmp_path: Path) -> None:
         return
 
     local = _variant(settings, tmp_path, "local", master="local[2]")
-    local_result = _demo(local, tmp_path, "local")
-    assert {k: v for k, v in local_result.items() if k != "seconds"} == \
-        {k: v for k, v in remote_result.items() if k != "seconds"}
+    local_result, local = _demo(local, tmp_path, "local")
+    assert {k: v for k, v in local_result.items() if k not in ("seconds", "data_root")} == \
+        {k: v for k, v in remote_result.items() if k not in ("seconds", "data_root")}
     pd.testing.assert_frame_equal(_table(local, "silver", ["event_id"]),
                                   _table(remote, "silver", ["event_id"]), check_exact=True)
     pd.testing.assert_frame_equal(_table(local, "quarantine", ["value"]),
