@@ -73,7 +73,7 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and kcat (the bridge bench's baseline)
+test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and kcat (the bridge bench's baseline; make bench needs them too)
 	@missing=""; \
 	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || missing="$$missing chromium fonts-liberation"; \
 	command -v mosquitto_sub >/dev/null 2>&1 || missing="$$missing mosquitto-clients"; \
@@ -82,8 +82,8 @@ test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-bench: install          ## all benchmarks but the 25-min chaos run (each prints a last JSON line)
-	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
+bench: install test-deps ## all benchmarks but the long chaos and soak runs (each prints a last JSON line)
+	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos_harness.py|*/procs.py|*/spark_cpu.py|*/chaos.py|*/soak.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
 
 airflow: install        ## local Airflow (SQLite, our DAGs) under <data_root>/airflow
 	bash infra/airflow.sh

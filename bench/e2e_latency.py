@@ -32,6 +32,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from procs import IOTLAKE, by_role  # noqa: E402  (bench/ is on sys.path)
+
 from lakehouse.delta_read import commit_adds, latest_version  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from lakehouse.spark import shuffle_partitions  # noqa: E402
@@ -164,7 +166,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
         "windows_trigger_seconds": args.windows_trigger_seconds, "simulator_nice": args.simulator_nice,
         "shuffle_partitions": shuffle_partitions(settings),
-        "cores_iotlake": round(sum(v for r, v in cores.items() if r in _IOTLAKE), 2),
+        "cores_iotlake": round(sum(v for r, v in cores.items() if r in IOTLAKE), 2),
         "load": os.getloadavg()[0],
     }
     for name, parts in _batch_profile(settings, sample_from).items():
@@ -207,31 +209,10 @@ def _batch_profile(settings, since: float) -> dict[str, dict]:
     return out
 
 
-#: Process roles by command line, for the CPU breakdown (first match wins).
-_ROLES = (("simulate", "simulator"), ("ingest.bridge", "bridge"), ("pyspark.daemon", "spark python workers"),
-          ("pyspark/daemon", "spark python workers"), ("pyspark.worker", "spark python workers"),
-          ("kafka.Kafka", "kafka broker"), ("java", "spark jvm"),
-          ("orchestration.cli run", "driver (python)"), ("mosquitto", "mosquitto"))
-#: The roles that are ``iotlake run`` itself (not the simulator, not this script or the rest).
-_IOTLAKE = ("bridge", "spark python workers", "kafka broker", "spark jvm", "driver (python)", "mosquitto")
-
-
 def _cpu_by_role() -> dict[str, float]:
     """CPU seconds so far of every process on the machine, summed by role (``other``: the rest,
     this script included): where the two cores go while the pipeline runs."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            f = (p / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        role = next((r for key, r in _ROLES if key in cmd), "other")
-        out[role] = out.get(role, 0.0) + sum(int(x) for x in f[11:13]) / tick
-    return out
+    return {role: v["cpu_s"] for role, v in by_role().items()}
 
 
 def _wait(pred, timeout: float, what: str) -> None:

@@ -1,7 +1,9 @@
-"""Hourly compaction, then vacuum, of every existing iotlake table (a mapped group per table).
+"""Hourly retention, compaction, then vacuum of every existing iotlake table (a mapped group per
+table), for deployments that set ``maintenance.auto = false`` and let Airflow do the upkeep.
 
-Streaming sinks leave many small files; compacting hourly keeps scans fast, and vacuum (>= 7 days
-retention) removes what compaction replaced. Tasks import the package at run time and read
+Retention deletes rows past ``maintenance.retention_days``; streaming sinks leave many small
+files, and compacting hourly keeps scans fast; vacuum (>= 7 days retention) removes what they
+replaced. Tasks import the package at run time and read
 settings from ``$IOTLAKE_CONFIG``; both steps are no-ops when there is nothing to do.
 """
 
@@ -31,6 +33,13 @@ def iotlake_compaction() -> None:
         return resolve_tables(task_settings())
 
     @task
+    def retain(table: str) -> list[dict[str, Any]]:
+        from orchestration.maintenance import retain
+        from orchestration.maintenance_cli import task_settings
+
+        return retain(task_settings(), [table])  # [] when the table keeps everything
+
+    @task
     def compact(table: str) -> dict[str, Any]:
         from orchestration.maintenance import compact
         from orchestration.maintenance_cli import task_settings
@@ -47,7 +56,7 @@ def iotlake_compaction() -> None:
 
     @task_group
     def maintain(table: str) -> None:
-        compact(table) >> vacuum(table)
+        retain(table) >> compact(table) >> vacuum(table)
 
     maintain.expand(table=list_tables())
 

@@ -78,10 +78,11 @@ def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds:
 
 def silver_stream(spark: SparkSession, settings: Settings, columns: list[str] | None = None,
                   silver_path: str | None = None) -> DataFrame:
-    """Silver through Delta's streaming source. Silver is append-only; compaction commits are
-    ``dataChange=false`` and skipped by the source. ``columns`` limits what is read from Parquet."""
+    """Silver through Delta's streaming source. Silver is appended to; compaction commits are
+    ``dataChange=false`` and retention deletes are skipped (``skipChangeCommits``). ``columns``
+    limits what is read from Parquet."""
     g = settings.gold
-    reader = (spark.readStream.format("delta")
+    reader = (spark.readStream.format("delta").option("skipChangeCommits", "true")
               .option("maxFilesPerTrigger", str(g.max_files_per_trigger)))
     if g.max_bytes_per_trigger:
         reader = reader.option("maxBytesPerTrigger", str(g.max_bytes_per_trigger))

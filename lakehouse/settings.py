@@ -27,6 +27,10 @@ from pydantic import (
 from lakehouse.storage import is_uri
 from lakehouse.telemetry import TelemetryModel
 
+#: Below this, vacuum or log clean-up can remove what time travel, reprocessing or a lagging
+#: stream still needs.
+MIN_RETENTION_HOURS = 168
+
 ENV_PREFIX = "IOTLAKE_"
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
 _NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN", "IOTLAKE_EXTENDED_TESTS"}
@@ -204,9 +208,54 @@ class MaintenanceSettings(_Section):
     """Table maintenance. Retention must cover the longest time-travel reprocessing window and
     the longest lag of a stream reading a table, or vacuum deletes files they still need."""
 
-    vacuum_retention_hours: int = Field(168, ge=168)
+    #: vacuum keeps files any version of this age still needs (time travel, lagging streams)
+    vacuum_retention_hours: float = Field(168, gt=0)
+    #: the Delta log (the time-travel horizon) of tables iotlake creates: older commit files are
+    #: removed at log checkpoints, so a table's _delta_log stays bounded
+    log_retention_hours: float = Field(168, gt=0)
+    #: allow either retention below 168 h: only where nothing reads older versions (soak runs, tests)
+    allow_short_retention: bool = False
     target_file_size: int = Field(134_217_728, ge=1 << 20)
     zorder: bool = True
+    #: ``iotlake run`` keeps its tables healthy by itself (orchestration.upkeep); false when
+    #: Airflow's maintenance DAGs do it
+    auto: bool = True
+    #: how often the built-in upkeep looks at the tables
+    check_seconds: float = Field(60.0, gt=0)
+    #: a table with at least this many small files (under half ``target_file_size``) is compacted
+    compact_min_files: int = Field(50, ge=2)
+    vacuum_interval_hours: float = Field(24.0, gt=0)
+    #: days of rows each table keeps (by its time column, lakehouse.tables.RETENTION_COLUMNS);
+    #: a table not named keeps everything. Deleted by the built-in upkeep and `iotlake retain`.
+    retention_days: dict[str, float] = Field(default_factory=lambda: {
+        "bronze": 7, "quarantine": 30, "readings_scored": 30, "anomalies": 90,
+        "device_status_history": 90, "quality_log": 30, "pipeline_metrics": 7})
+
+    @field_validator("retention_days")
+    @classmethod
+    def _known_tables(cls, v: dict[str, float]) -> dict[str, float]:
+        from lakehouse.tables import RETENTION_COLUMNS
+
+        unknown = sorted(set(v) - set(RETENTION_COLUMNS))
+        if unknown:
+            raise ValueError(f"maintenance.retention_days names tables without a time column to "
+                             f"expire by: {unknown}; choose from {sorted(RETENTION_COLUMNS)}")
+        bad = sorted(t for t, d in v.items() if d <= 0)
+        if bad:
+            raise ValueError(f"maintenance.retention_days must be > 0 days (remove a table to keep "
+                             f"all of it): {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _long_enough(self) -> MaintenanceSettings:
+        short = [k for k in ("vacuum_retention_hours", "log_retention_hours")
+                 if getattr(self, k) < MIN_RETENTION_HOURS]
+        if short and not self.allow_short_retention:
+            raise ValueError(f"maintenance.{short[0]} below {MIN_RETENTION_HOURS} h breaks time "
+                             f"travel, reprocessing and lagging streams: raise it, or set "
+                             f"maintenance.allow_short_retention = true where nothing reads "
+                             f"older versions")
+        return self
 
 
 class ObservabilitySettings(_Section):

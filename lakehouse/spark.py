@@ -60,6 +60,12 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.databricks.delta.properties.defaults.enableDeletionVectors", "false")
         # a Delta snapshot's state is small here: 50 shuffle tasks per log replay cost more
         .config("spark.databricks.delta.snapshotPartitions", "2")
+        # tables created here keep commit files for the time-travel horizon only, and removed
+        # data files until vacuum's retention (Delta 4 takes it from this property, not RETAIN)
+        .config("spark.databricks.delta.properties.defaults.logRetentionDuration",
+                _minutes(settings.maintenance.log_retention_hours))
+        .config("spark.databricks.delta.properties.defaults.deletedFileRetentionDuration",
+                _minutes(settings.maintenance.vacuum_retention_hours))
     )
     if not settings.spark.expression_codegen:
         b = b.config("spark.sql.codegen.factoryMode", "NO_CODEGEN")
@@ -115,6 +121,11 @@ def shuffle_partitions(settings: Settings) -> int:
     else:
         cores = int(inside) if inside.isdigit() else 2
     return max(2, cores)
+
+
+def _minutes(hours: float) -> str:
+    """A Delta table-property interval."""
+    return f"interval {max(1, round(hours * 60))} minutes"
 
 
 def _with_local_fs_shim(conf: dict[str, str]) -> dict[str, str]:

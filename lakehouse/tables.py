@@ -114,3 +114,15 @@ SCHEMAS: dict[str, pa.Schema] = {
     "quality_log": QUALITY_LOG,
     "pipeline_metrics": PIPELINE_METRICS,
 }
+
+
+#: The time column retention expires each table's rows by (``maintenance.retention_days``):
+#: arrival time for raw and quarantined rows (a device's clock can be wrong), event or window
+#: time for derived ones. ``device_current`` (a row per device) never expires.
+RETENTION_COLUMNS: dict[str, str] = {
+    "bronze": "ingest_time", "silver": "ingest_time", "quarantine": "quarantined_at",
+    "gold_metrics_1m": "window_end", "gold_metrics_5m": "window_end",
+    "gold_metrics_1m_final": "window_end", "gold_metrics_5m_final": "window_end",
+    "device_status_history": "changed_at", "readings_scored": "event_time",
+    "anomalies": "event_time", "quality_log": "logged_at", "pipeline_metrics": "timestamp",
+}

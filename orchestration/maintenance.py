@@ -1,4 +1,5 @@
-"""Table maintenance with delta-spark: compaction (OPTIMIZE / ZORDER BY), vacuum, restore, history.
+"""Table maintenance with delta-spark: compaction (OPTIMIZE / ZORDER BY), retention, vacuum,
+restore, history.
 
 Streaming sinks commit a few small files per micro-batch, and scan time grows with file count, so
 ``compact`` bin-packs them (and Z-orders tables queried by device and time). OPTIMIZE commits
@@ -18,13 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lakehouse.delta_read import open_table, table_exists
 from lakehouse.delta_tables import retry_conflicts
-from lakehouse.settings import Settings
-from lakehouse.tables import SCHEMAS
+from lakehouse.settings import MIN_RETENTION_HOURS, Settings
+from lakehouse.tables import RETENTION_COLUMNS, SCHEMAS
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable as RsTable
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: Below this, vacuum can delete files that time travel, reprocessing or a lagging stream need.
-MIN_RETENTION_HOURS = 168
 
 #: Tables read by device over a time range: Z-ordering co-locates rows so file skipping works.
 ZORDER_COLUMNS: dict[str, tuple[str, str]] = {
@@ -156,11 +154,14 @@ def compact(settings: Settings, tables: list[str] | None = None, target_size: in
     return out
 
 
-def effective_retention(settings: Settings, requested: int | None = None,
-                        enforce_retention_duration: bool = True) -> int:
-    """Requested retention, or the configured one; below 168 h only when not enforced."""
-    hours = max(MIN_RETENTION_HOURS, settings.maintenance.vacuum_retention_hours) \
-        if requested is None else requested
+def effective_retention(settings: Settings, requested: float | None = None,
+                        enforce_retention_duration: bool = True) -> float:
+    """Requested retention, or the configured one; below 168 h only when not enforced or when
+    ``maintenance.allow_short_retention`` says so."""
+    m = settings.maintenance
+    hours = m.vacuum_retention_hours if requested is None else requested
+    if requested is None and m.allow_short_retention:
+        return hours
     if hours < 0:
         raise ValueError(f"retention must be >= 0 hours, got {hours}")
     if hours < MIN_RETENTION_HOURS and enforce_retention_duration:
@@ -175,12 +176,12 @@ def _quoted(path: str) -> str:
     return "delta.`" + path.replace("`", "``") + "`"
 
 
-def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours: int | None = None,
+def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours: float | None = None,
            dry_run: bool = False, enforce_retention_duration: bool = True) -> list[dict[str, Any]]:
     """Delete files no version within the retention references (incl. crash leftovers: Delta's
     VACUUM removes every unreferenced file older than the retention, not only tombstones).
 
-    Default retention: max(168 h, ``maintenance.vacuum_retention_hours``). ``deleted`` lists the
+    Default retention: ``maintenance.vacuum_retention_hours``. ``deleted`` lists the
     files the dry run found just before deleting.
     """
     hours = effective_retention(settings, retention_hours, enforce_retention_duration)
@@ -196,7 +197,7 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
         # file listing runs parallelPartitionDiscovery.parallelism tasks (10,000 by default:
         # minutes of task overhead for a small table); one per core is plenty.
         confs = {"spark.databricks.delta.retentionDurationCheck.enabled":
-                 str(enforce_retention_duration).lower(),
+                 str(enforce_retention_duration and hours >= MIN_RETENTION_HOURS).lower(),
                  "spark.sql.sources.parallelPartitionDiscovery.parallelism":
                  str(max(2, spark.sparkContext.defaultParallelism))}
         sql = f"VACUUM {_quoted(path)} RETAIN {hours} HOURS"
@@ -210,6 +211,53 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
         out.append({"table": table, "retention_hours": hours, "dry_run": dry_run,
                     "deleted": deleted, "version": open_table(path).version()})
     return out
+
+
+def retain(settings: Settings, tables: list[str] | None = None,
+           now: datetime | None = None) -> list[dict[str, Any]]:
+    """Delete the rows older than each table's ``maintenance.retention_days`` by its time column
+    (``RETENTION_COLUMNS``); tables without a retention are left alone. The streams reading
+    these tables skip the delete commits (``skipChangeCommits``); vacuum frees the bytes later."""
+    days = settings.maintenance.retention_days
+    now = now or datetime.now(UTC)
+    out: list[dict[str, Any]] = []
+    spark = None
+    for table in resolve_tables(settings, tables):
+        if table not in days:
+            continue
+        path = settings.table_path(table)
+        if not table_exists(path):
+            out.append({"table": table, "status": "missing"})
+            continue
+        spark = spark or session(settings)
+        cutoff = now - timedelta(days=days[table])
+        sql = (f"DELETE FROM {_quoted(path)} WHERE `{RETENTION_COLUMNS[table]}` < "
+               f"to_timestamp('{cutoff.astimezone(UTC).strftime('%Y-%m-%d %H:%M:%S.%f')}')")
+        rows = _retry(lambda s=sql, sp=spark: sp.sql(s).collect(), f"retain {table}")
+        deleted = int(rows[0][0]) if rows and rows[0][0] is not None else 0
+        log.info("retain %s: %d rows before %s deleted", table, deleted, cutoff.isoformat())
+        out.append({"table": table, "cutoff": cutoff.isoformat(), "deleted_rows": deleted,
+                    "version": open_table(path).version()})
+    return out
+
+
+def oldest(settings: Settings, table: str) -> datetime | None:
+    """The oldest value of the table's retention column, from Delta's file statistics (no scan):
+    None when the table has no rows, ``datetime.min`` when a file has no statistics on it."""
+    adds = open_table(settings.table_path(table)).get_add_actions(flatten=True)
+    if adds.num_rows == 0:
+        return None
+    col = f"min.{RETENTION_COLUMNS[table]}"
+    values = adds.column(col).to_pylist() if col in adds.column_names else [None]
+    if any(v is None for v in values):
+        return datetime.min.replace(tzinfo=UTC)
+    return min(v if v.tzinfo else v.replace(tzinfo=UTC) for v in values)
+
+
+def small_files(settings: Settings, table: str) -> int:
+    """Data files under half ``maintenance.target_file_size`` (what compaction would bin-pack)."""
+    limit = settings.maintenance.target_file_size // 2
+    return sum(1 for size in _files(settings.table_path(table)).values() if size < limit)
 
 
 def _relative(table_path: str, file: str) -> str:

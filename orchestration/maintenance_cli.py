@@ -62,6 +62,13 @@ def _vacuum(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _retain(args: argparse.Namespace, settings: Settings) -> int:
+    from orchestration.maintenance import retain
+
+    _print(retain(settings, args.table))
+    return 0
+
+
 def _restore(args: argparse.Namespace, settings: Settings) -> int:
     from orchestration.maintenance import restore
 
@@ -100,11 +107,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table", action="append", metavar="T", help=table_help)
     p.add_argument("--retention-hours", type=_positive, metavar="H",
                    help="keep files needed by versions newer than H hours "
-                        "(default: max(168, maintenance.vacuum_retention_hours))")
+                        "(default: maintenance.vacuum_retention_hours)")
     p.add_argument("--dry-run", action="store_true", help="list files, delete nothing")
     p.add_argument("--force", action="store_true",
                    help="allow a retention below 168 h (breaks older time travel)")
     p.set_defaults(func=_guarded(_vacuum))
+
+    p = subparsers.add_parser("retain", help="delete rows older than each table's "
+                              "maintenance.retention_days (tables without one are kept whole)")
+    p.add_argument("--table", action="append", metavar="T", help=table_help)
+    p.set_defaults(func=_guarded(_retain))
 
     p = subparsers.add_parser("restore", help="restore a table to an older version or time")
     p.add_argument("table", metavar="TABLE")

@@ -156,6 +156,10 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             stack.callback(release_spark, spark)  # after the queries stopped (callbacks run LIFO)
             running = Running(spark, settings, start_layers(spark, settings, layers))
             stack.callback(running.stop, settings.stream.graceful_stop_seconds, hurry)
+            if settings.maintenance.auto and role in ("all", "streams"):
+                from orchestration.upkeep import Upkeep
+
+                stack.callback(Upkeep(settings).start().stop)  # stops before the queries do
         sim_stop = threading.Event()
         if simulate > 0:
             from ingest.simulator import run_forever

@@ -89,8 +89,10 @@ def validated(bronze: DataFrame, suite: Suite | None = None,
 
 def bronze_stream(spark: SparkSession, settings: Settings, bronze_path: str | None = None,
                   bronze_ending_version: int | None = None) -> DataFrame:
-    """Bronze as Delta's streaming source reads it. Bronze is append-only (compaction commits are
-    dataChange=false, which the source skips), so no skipChangeCommits. A batch reads at most
+    """Bronze as Delta's streaming source reads it. Bronze is appended to; compaction commits are
+    dataChange=false (the source skips them) and retention deletes old rows
+    (``maintenance.retention_days``): ``skipChangeCommits`` skips those, rows already read
+    stay read. A batch reads at most
     ``stream.silver_max_files_per_trigger`` files / ``silver_max_bytes_per_trigger`` bytes.
 
     ``bronze_ending_version`` (time-travel reprocessing) keeps the rows bronze held at that
@@ -98,7 +100,7 @@ def bronze_stream(spark: SparkSession, settings: Settings, bronze_path: str | No
     committed, so they are the rows ingested no later than that version's commit timestamp."""
     st = settings.stream
     path = bronze_path or settings.table_path("bronze")
-    reader = (spark.readStream.format("delta")
+    reader = (spark.readStream.format("delta").option("skipChangeCommits", "true")
               .option("maxFilesPerTrigger", str(st.silver_max_files_per_trigger)))
     if st.silver_max_bytes_per_trigger:
         reader = reader.option("maxBytesPerTrigger", str(st.silver_max_bytes_per_trigger))

@@ -1,11 +1,12 @@
 """Benchmarks that measure processes run their ``--smoke`` mode as a user runs them
-(``python bench/<name>.py --smoke``): JVM start-up, ``iotlake run`` end to end, the bridge
+(``python bench/<name>.py --smoke``): JVM start-up, ``iotlake run`` end to end and as a soak, the bridge
 against ``mosquitto_sub | kcat``, scaling; and the two that need no Spark. Spark workloads:
 ``tests/test_benchmarks.py``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ SUBPROCESS = {
     "e2e_latency": ("cores_50", "silver_p50_s_50", "silver_p99_s_50", "current_p99_s_50", "achieved_50"),
     "jvm_startup": (),
     "query_latency": (),
+    "soak": ("minutes", "rate", "rss_growth_pct_per_h_max", "files_max", "disk_growth_pct_last_20min",
+             "latency_p99_drift", "dashboard_p95_ms_max", "query_p95_ms_max", "lost"),
     "scaling": ("messages", "local1_p4_rows_per_s", "driver_cpu_s_per_m", "executor_cpu_s_per_m",
                 "predicted_speedup_8", "predicted_speedup_32"),
 }
@@ -36,3 +39,7 @@ def test_bench_smoke(bench: str, tmp_path: Path) -> None:
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     check_last_line(bench, proc.stdout, SUBPROCESS[bench])
+    if bench == "soak":  # sampled the whole run, every probe reached silver, upkeep kept files down
+        last = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert last["samples"] >= 4 and last["lost"] == 0 and last["probes"] > 0, last
+        assert 0 < last["files_max"] <= 200, last

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 DAGS = REPO / "dags"
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 EXPECTED = {
-    "iotlake_compaction": {"list_tables", "maintain.compact", "maintain.vacuum"},
+    "iotlake_compaction": {"list_tables", "maintain.retain", "maintain.compact", "maintain.vacuum"},
     "iotlake_backfill": {"backfill_bronze", "backfill_silver", "backfill_gold"},
     "iotlake_reprocess": {"reprocess"},
     "iotlake_data_quality": {"validate_silver"},

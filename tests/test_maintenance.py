@@ -162,3 +162,68 @@ def test_cli(lake: Settings, capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 2
     with pytest.raises(ValueError, match="valid tables"):  # iotlake's main turns this into exit 2
         _cli(lake, "history", "nope")
+
+
+def _bronze(settings: Settings, first: int, n: int, ingested: datetime) -> None:
+    """One bronze commit of ``n`` valid readings (event ids from ``first``) ingested at ``ingested``."""
+    from lakehouse.tables import BRONZE
+
+    ids = range(first, first + n)
+    values = [json.dumps({"schema_version": 1, "event_id": f"{i:032x}", "device_id": "dev-00001",
+                          "ts": (ingested + timedelta(seconds=i)).isoformat().replace("+00:00", "Z"),
+                          "temperature": 21.0, "humidity": 40.0, "battery": 90.0, "status": "ok"}).encode()
+              for i in ids]
+    write_deltalake(settings.table_path("bronze"), pa.table({
+        "key": [None] * n, "value": values, "topic": ["telemetry"] * n, "partition": [0] * n,
+        "offset": list(ids), "timestamp": [ingested] * n, "headers": [[]] * n,
+        "ingest_time": [ingested] * n}, schema=BRONZE), mode="append")
+
+
+def test_upkeep_expires_compacts_and_the_streams_skip_its_deletes(tmp_path: Path, spark) -> None:
+    """``iotlake run``'s built-in upkeep: rows past their table's retention are deleted, a table
+    with many small files is bin-packed, and silver, reading bronze as a stream, goes on past the
+    delete without re-reading or losing a row."""
+    import silver.stream
+    from orchestration.upkeep import Upkeep
+
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+                      maintenance={"compact_min_files": 3, "retention_days": {"bronze": 1}})
+    now = datetime.now(UTC)
+    old, recent = now - timedelta(days=3), now - timedelta(hours=1)
+    for k in range(3):
+        _bronze(s, k * 10, 10, old)  # 30 rows past bronze's 1-day retention
+    for k in range(3, 7):
+        _bronze(s, k * 10, 10, recent)  # 4 files: still crowded (>= 3) once the old ones are gone
+
+    def silver_catch_up() -> None:
+        q = silver.stream.start(spark, s, trigger="available_now")
+        q.awaitTermination(300)
+        assert q.exception() is None
+
+    silver_catch_up()
+    assert read_table(s.table_path("silver")).num_rows == 70
+
+    upkeep = Upkeep(s)
+    done = upkeep.tick(now)
+    assert [(r["table"], r["deleted_rows"]) for r in done["retained"]] == [("bronze", 30)]
+    assert [c["table"] for c in done["compacted"]] == ["bronze"] and done["compacted"][0]["files_after"] == 1
+    assert {v["table"] for v in done["vacuumed"]} >= {"bronze", "silver"}  # first pass: due
+    bronze = DeltaTable(s.table_path("bronze"))
+    assert sorted(r["operation"] for r in bronze.history(2)) == ["DELETE", "OPTIMIZE"]
+    assert sorted(bronze.to_pyarrow_table(columns=["offset"]).column("offset").to_pylist()) == list(range(30, 70))
+    again = upkeep.tick(now + timedelta(minutes=5))  # nothing left to do; vacuum not due yet
+    assert again == {"retained": [], "compacted": []}
+
+    _bronze(s, 70, 5, now)
+    silver_catch_up()  # past the DELETE and OPTIMIZE commits: only the new rows
+    ids = read_table(s.table_path("silver")).column("event_id").to_pylist()
+    assert sorted(ids) == [f"{i:032x}" for i in range(75)]
+
+    # the thread runs the same pass on its own, and stops when asked
+    s.maintenance.check_seconds = 0.2
+    running = Upkeep(s).start()
+    deadline = datetime.now(UTC) + timedelta(seconds=120)
+    while running.passes < 1 and datetime.now(UTC) < deadline:
+        running._stop.wait(0.2)
+    running.stop()
+    assert running.passes >= 1

@@ -1,0 +1,115 @@
+"""Built-in table upkeep of ``iotlake run``: retention, compaction and vacuum while the streams run.
+
+Streaming sinks add small files every micro-batch and nothing else ever deletes a row, so a
+plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
+``maintenance.check_seconds`` this thread deletes a table's expired rows once the oldest is
+``RETENTION_SLACK`` of its retention past due (Delta's file statistics say so without a scan,
+so the DELETE runs now and then, not every pass), bin-packs the tables whose small files reached
+``maintenance.compact_min_files`` (no Z-order: it would rewrite whole tables under load; the
+Airflow DAG does that), and every ``maintenance.vacuum_interval_hours`` vacuums. It calls the
+same functions as the CLI and the Airflow DAG (``orchestration.maintenance``), in the FAIR pool
+``maintenance`` so the streams' tasks go first. ``maintenance.auto = false`` turns it off when
+Airflow does the upkeep.
+
+The Delta logs stay bounded by ``maintenance.log_retention_hours`` (commit files older than that
+are removed at Delta's log checkpoints); Spark bounds the streams' checkpoint logs and state
+versions (``spark.sql.streaming.minBatchesToRetain``), silver's dedup index its own changelog.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from lakehouse.delta_read import table_exists
+from lakehouse.settings import Settings
+from orchestration.maintenance import (
+    compact,
+    oldest,
+    resolve_tables,
+    retain,
+    session,
+    small_files,
+    vacuum,
+)
+
+log = logging.getLogger(__name__)
+
+#: Expired rows may linger this share of their table's retention before a DELETE runs.
+RETENTION_SLACK = 0.1
+
+
+class Upkeep:
+    """One upkeep pass (``tick``) and the thread that runs it every ``check_seconds``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._state = settings.run_dir / "upkeep.json"  # the last vacuum survives restarts
+        self.last_vacuum = self._load_last_vacuum()
+        self.passes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self, now: datetime | None = None) -> dict[str, Any]:
+        """Retention, then compaction of crowded tables, then vacuum when due; what it did."""
+        s, m = self.settings, self.settings.maintenance
+        now = now or datetime.now(UTC)
+        due = self._expiring(now)
+        done: dict[str, Any] = {"retained": [r for r in retain(s, due, now=now) if r.get("deleted_rows")]
+                                if due else []}
+        crowded = [t for t in resolve_tables(s) if table_exists(s.table_path(t))
+                   and small_files(s, t) >= m.compact_min_files]
+        done["compacted"] = compact(s, crowded, zorder=False) if crowded else []
+        if self.last_vacuum is None or now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
+            done["vacuumed"] = [{"table": r["table"], "deleted": len(r["deleted"])} for r in vacuum(s)]
+            self.last_vacuum = now
+            self._state.parent.mkdir(parents=True, exist_ok=True)
+            self._state.write_text(json.dumps({"last_vacuum": now.isoformat()}))
+        self.passes += 1
+        return done
+
+    def _load_last_vacuum(self) -> datetime | None:
+        try:
+            return datetime.fromisoformat(json.loads(self._state.read_text())["last_vacuum"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _expiring(self, now: datetime) -> list[str]:
+        """Tables whose oldest row is past its retention by more than the slack."""
+        s = self.settings
+        out = []
+        for table, days in s.maintenance.retention_days.items():
+            if not table_exists(s.table_path(table)):
+                continue
+            first = oldest(s, table)
+            if first is not None and first < now - timedelta(days=days * (1 + RETENTION_SLACK)):
+                out.append(table)
+        return out
+
+    def start(self) -> Upkeep:
+        self._thread = threading.Thread(target=self._run, name="iotlake-upkeep", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop after the running operation (each is a complete Delta commit or none)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        sc = session(self.settings).sparkContext
+        sc.setLocalProperty("spark.scheduler.pool", "maintenance")  # this thread's jobs only
+        while not self._stop.wait(self.settings.maintenance.check_seconds):
+            try:
+                done = self.tick()
+                if any(done.values()):
+                    log.info("upkeep: %s", done)
+            except Exception as e:  # noqa: BLE001 - upkeep must never stop the pipeline
+                if self._stop.is_set():
+                    return
+                log.warning("upkeep pass failed (retried in %.0f s): %s",
+                            self.settings.maintenance.check_seconds, str(e).splitlines()[0])
