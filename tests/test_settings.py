@@ -164,3 +164,29 @@ def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) 
     finally:
         spark.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
     assert interpreted[0] == (0, sum(i * 1.5 for i in range(0, 1000, 7)))
+
+
+def test_maintenance_retentions(spark, tmp_path: Path) -> None:
+    """Retentions below 7 days need ``allow_short_retention``; the tables iotlake creates carry
+    the log and deleted-file retentions as Delta properties; an unknown retention table is named."""
+    from lakehouse.delta_tables import ensure_table
+    from lakehouse.tables import BRONZE
+
+    m = load_settings(environ={}).maintenance
+    assert (m.auto, m.vacuum_retention_hours, m.log_retention_hours, m.retention_days["bronze"]) == (
+        True, 168, 168, 7)
+    with pytest.raises(SettingsError, match="maintenance.log_retention_hours.*allow_short_retention"):
+        load_settings(environ={"IOTLAKE_MAINTENANCE__LOG_RETENTION_HOURS": "1"})
+    short = load_settings(environ={"IOTLAKE_MAINTENANCE__LOG_RETENTION_HOURS": "0.5",
+                                   "IOTLAKE_MAINTENANCE__ALLOW_SHORT_RETENTION": "true"})
+    assert short.maintenance.log_retention_hours == 0.5
+    with pytest.raises(SettingsError, match="maintenance.retention_days.*device_current"):
+        load_settings(environ={}, maintenance={"retention_days": {"device_current": 1}})
+    with pytest.raises(SettingsError, match="must be > 0 days"):
+        load_settings(environ={}, maintenance={"retention_days": {"bronze": 0}})
+    # the suite's session was made from the default settings: 168 h each
+    path = str(tmp_path / "t")
+    ensure_table(spark, path, BRONZE)
+    props = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
+    assert props["delta.logRetentionDuration"] == props["delta.deletedFileRetentionDuration"] \
+        == "interval 10080 minutes"
