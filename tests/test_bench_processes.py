@@ -43,3 +43,13 @@ def test_bench_smoke(bench: str, tmp_path: Path) -> None:
         last = json.loads(proc.stdout.strip().splitlines()[-1])
         assert last["samples"] >= 4 and last["lost"] == 0 and last["probes"] > 0, last
         assert 0 < last["files_max"] <= 200, last
+
+
+def test_every_bench_has_a_smoke_run() -> None:
+    """A new script in bench/ cannot be left out of the smoke runs (libraries excepted)."""
+    from test_benchmarks import IN_PROCESS
+
+    libraries = {"chaos_harness", "nab_scoring", "procs", "spark_cpu"}
+    scripts = {p.stem for p in (REPO / "bench").glob("*.py")} - libraries
+    smoked = {b.split()[0] for b in IN_PROCESS} | set(SUBPROCESS) | {"chaos"}  # chaos: test_chaos.py
+    assert scripts == smoked
