@@ -50,8 +50,10 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.sql.adaptive.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         # pandas 2.x warns at every applyInPandasWithState batch (gold health) about a concat
-        # inside pyspark's own worker.py, not our code: one line per batch in `iotlake run`
-        .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker")
+        # inside pyspark's own worker and serializer, not our code: a line per batch in the log
+        # of `iotlake run`, for weeks
+        .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker,"
+                "ignore::FutureWarning:pyspark.sql.pandas.serializers")
         .config("spark.driver.extraJavaOptions", jars.driver_java_options(settings.spark.class_data_sharing))
         .config("spark.jars", ",".join(jars.spark_jars()))
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")

@@ -17,6 +17,8 @@ go through delta-rs (``lakehouse.delta_read``), without a JVM.
 from __future__ import annotations
 
 import logging
+import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -172,17 +174,45 @@ def effective_retention(settings: Settings, requested: float | None = None,
     return hours
 
 
+_UNIT_HOURS = {"week": 168.0, "day": 24.0, "hour": 1.0, "minute": 1 / 60, "second": 1 / 3600,
+               "millisecond": 1 / 3_600_000, "microsecond": 1 / 3_600_000_000}
+
+
+def interval_hours(interval: str) -> float:
+    """Hours of a Delta interval property (``interval 7 days``, ``interval 10080 minutes``)."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*(week|day|hour|minute|second|millisecond|microsecond)s?",
+                       interval.lower())
+    if not parts:
+        raise ValueError(f"not a Delta interval: {interval!r}")
+    return sum(float(n) * _UNIT_HOURS[u] for n, u in parts)
+
+
+def table_retention_hours(path: str) -> float:
+    """What vacuum keeps on this table: its ``delta.deletedFileRetentionDuration`` (7 days when
+    unset). Delta 4 takes vacuum's retention from this property, not from ``RETAIN``."""
+    conf = open_table(path).metadata().configuration
+    value = conf.get("delta.deletedFileRetentionDuration")
+    return interval_hours(value) if value else float(MIN_RETENTION_HOURS)
+
+
 def _quoted(path: str) -> str:
     return "delta.`" + path.replace("`", "``") + "`"
 
 
 def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours: float | None = None,
-           dry_run: bool = False, enforce_retention_duration: bool = True) -> list[dict[str, Any]]:
-    """Delete files no version within the retention references (incl. crash leftovers: Delta's
-    VACUUM removes every unreferenced file older than the retention, not only tombstones).
+           dry_run: bool = False, enforce_retention_duration: bool = True,
+           lite: bool = False) -> list[dict[str, Any]]:
+    """Delete data files that no version within the table's retention references.
 
-    Default retention: ``maintenance.vacuum_retention_hours``. ``deleted`` lists the
-    files the dry run found just before deleting.
+    Full (default): lists the table's directory, so files of writes that never committed go too,
+    and reports what it deletes (a dry run first). ``lite``: only files the Delta log removed
+    (compaction, retention deletes), found in the log without listing; no report (``deleted``
+    None). The built-in upkeep runs lite, the DAG and the CLI full.
+
+    Retention is the table's ``delta.deletedFileRetentionDuration`` (iotlake creates tables with
+    ``maintenance.vacuum_retention_hours``): Delta 4 ignores ``RETAIN`` except 0 hours, and
+    reads a fractional one as 0. So ``retention_hours`` may be 0 (forced: every unreferenced
+    file) or the table's own value; any other value is refused with how to change it.
     """
     hours = effective_retention(settings, retention_hours, enforce_retention_duration)
     out: list[dict[str, Any]] = []
@@ -192,23 +222,34 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
         if not table_exists(path):
             out.append({"table": table, "deleted": [], "status": "missing"})
             continue
+        kept = table_retention_hours(path)
+        if retention_hours not in (None, 0) and not math.isclose(hours, kept):
+            raise ValueError(
+                f"{table} keeps removed files {kept:g} h (delta.deletedFileRetentionDuration), "
+                f"and Delta takes vacuum's retention from that property: to keep {hours:g} h, "
+                f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.deletedFileRetentionDuration' "
+                f"= 'interval {round(hours * 60)} minutes'), or leave --retention-hours out")
         spark = spark or session(settings)
+        forced = retention_hours == 0
         # our own check above is the policy; Delta's duplicate check only when enforcing. The
         # file listing runs parallelPartitionDiscovery.parallelism tasks (10,000 by default:
         # minutes of task overhead for a small table); one per core is plenty.
-        confs = {"spark.databricks.delta.retentionDurationCheck.enabled":
-                 str(enforce_retention_duration and hours >= MIN_RETENTION_HOURS).lower(),
+        confs = {"spark.databricks.delta.retentionDurationCheck.enabled": str(not forced).lower(),
                  "spark.sql.sources.parallelPartitionDiscovery.parallelism":
                  str(max(2, spark.sparkContext.defaultParallelism))}
-        sql = f"VACUUM {_quoted(path)} RETAIN {hours} HOURS"
+        sql = f"VACUUM {_quoted(path)}{' RETAIN 0 HOURS' if forced else ''}{' LITE' if lite else ''}"
+        listed = None
         with _confs(spark, confs):
-            listed = _retry(lambda s=sql, sp=spark: [r[0] for r in sp.sql(s + " DRY RUN").collect()],
-                            f"vacuum {table}")
-            if listed and not dry_run:
+            if dry_run or not lite:
+                listed = _retry(lambda s=sql, sp=spark: [r[0] for r in sp.sql(s + " DRY RUN").collect()],
+                                f"vacuum {table}")
+            if not dry_run and (listed is None or listed):
                 _retry(lambda s=sql, sp=spark: sp.sql(s).collect(), f"vacuum {table}")
-        deleted = sorted(_relative(path, f) for f in listed)
-        log.info("vacuum %s (%s h, dry_run=%s): %d files", table, hours, dry_run, len(deleted))
-        out.append({"table": table, "retention_hours": hours, "dry_run": dry_run,
+        deleted = None if listed is None else sorted(_relative(path, f) for f in listed)
+        effective = 0 if forced else kept
+        log.info("vacuum %s (%s, %g h, dry_run=%s): %s files", table, "lite" if lite else "full",
+                 effective, dry_run, "?" if deleted is None else len(deleted))
+        out.append({"table": table, "retention_hours": effective, "dry_run": dry_run, "lite": lite,
                     "deleted": deleted, "version": open_table(path).version()})
     return out
 

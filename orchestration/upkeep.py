@@ -2,14 +2,19 @@
 
 Streaming sinks add small files every micro-batch and nothing else ever deletes a row, so a
 plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
-``maintenance.check_seconds`` this thread deletes a table's expired rows once the oldest is
-``RETENTION_SLACK`` of its retention past due (Delta's file statistics say so without a scan,
-so the DELETE runs now and then, not every pass), bin-packs the tables whose small files reached
-``maintenance.compact_min_files`` (no Z-order: it would rewrite whole tables under load; the
-Airflow DAG does that), and every ``maintenance.vacuum_interval_hours`` vacuums. It calls the
-same functions as the CLI and the Airflow DAG (``orchestration.maintenance``), in the FAIR pool
-``maintenance`` so the streams' tasks go first. ``maintenance.auto = false`` turns it off when
-Airflow does the upkeep.
+``maintenance.check_seconds`` this thread:
+
+- deletes a table's expired rows once the oldest is ``RETENTION_SLACK`` of its retention past
+  due (Delta's file statistics say so without a scan, so a DELETE runs now and then);
+- bin-packs the tables whose small files reached ``maintenance.compact_min_files`` (no Z-order:
+  it would rewrite whole tables under load; the Airflow DAG does that);
+- every ``maintenance.vacuum_interval_hours``, vacuums what those removed (``LITE``: found in the
+  Delta log, no directory listing, which took 10-80 s a table under load). The full vacuum,
+  which also finds files of writes that never committed, is the DAG's and ``iotlake vacuum``'s.
+
+It calls the same functions as the CLI and the DAG (``orchestration.maintenance``), in the FAIR
+pool ``maintenance`` so the streams' tasks go first. ``maintenance.auto = false`` turns it off
+when Airflow does the upkeep.
 
 The Delta logs stay bounded by ``maintenance.log_retention_hours`` (commit files older than that
 are removed at Delta's log checkpoints); Spark bounds the streams' checkpoint logs and state
@@ -38,6 +43,8 @@ from orchestration.maintenance import (
 
 log = logging.getLogger(__name__)
 
+JOB_GROUP = "iotlake-upkeep"
+
 #: Expired rows may linger this share of their table's retention before a DELETE runs.
 RETENTION_SLACK = 0.1
 
@@ -54,17 +61,27 @@ class Upkeep:
         self._thread: threading.Thread | None = None
 
     def tick(self, now: datetime | None = None) -> dict[str, Any]:
-        """Retention, then compaction of crowded tables, then vacuum when due; what it did."""
+        """Retention, then compaction of crowded tables, then vacuum when due; what it did.
+        One table at a time, so a stop request waits for one operation at most."""
         s, m = self.settings, self.settings.maintenance
         now = now or datetime.now(UTC)
-        due = self._expiring(now)
-        done: dict[str, Any] = {"retained": [r for r in retain(s, due, now=now) if r.get("deleted_rows")]
-                                if due else []}
-        crowded = [t for t in resolve_tables(s) if table_exists(s.table_path(t))
-                   and small_files(s, t) >= m.compact_min_files]
-        done["compacted"] = compact(s, crowded, zorder=False) if crowded else []
+        done: dict[str, Any] = {"retained": [], "compacted": []}
+        for table in self._expiring(now):
+            if self._stop.is_set():
+                return done
+            done["retained"] += [r for r in retain(s, [table], now=now) if r.get("deleted_rows")]
+        for table in resolve_tables(s):
+            if self._stop.is_set():
+                return done
+            if small_files(s, table) >= m.compact_min_files:
+                done["compacted"] += compact(s, [table], zorder=False)
         if self.last_vacuum is None or now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
-            done["vacuumed"] = [{"table": r["table"], "deleted": len(r["deleted"])} for r in vacuum(s)]
+            done["vacuumed"] = []
+            for table in resolve_tables(s):
+                if self._stop.is_set():
+                    return done
+                vacuum(s, [table], lite=True)  # the files compaction and retention removed
+                done["vacuumed"].append(table)
             self.last_vacuum = now
             self._state.parent.mkdir(parents=True, exist_ok=True)
             self._state.write_text(json.dumps({"last_vacuum": now.isoformat()}))
@@ -94,15 +111,18 @@ class Upkeep:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Stop after the running operation (each is a complete Delta commit or none)."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop now: the running operation's Spark jobs are cancelled (a Delta commit is whole
+        or absent, so nothing is left half done; the next pass does it again)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            session(self.settings).sparkContext.cancelJobGroup(JOB_GROUP)
             self._thread.join(timeout)
 
     def _run(self) -> None:
         sc = session(self.settings).sparkContext
         sc.setLocalProperty("spark.scheduler.pool", "maintenance")  # this thread's jobs only
+        sc.setJobGroup(JOB_GROUP, "iotlake run's table upkeep")
         while not self._stop.wait(self.settings.maintenance.check_seconds):
             try:
                 done = self.tick()
