@@ -70,11 +70,7 @@ class Upkeep:
             if self._stop.is_set():
                 return done
             done["retained"] += [r for r in retain(s, [table], now=now) if r.get("deleted_rows")]
-        for table in resolve_tables(s):
-            if self._stop.is_set():
-                return done
-            if small_files(s, table) >= m.compact_min_files:
-                done["compacted"] += compact(s, [table], zorder=False)
+        self._compact_crowded(done)
         if self.last_vacuum is None or now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
             done["vacuumed"] = []
             for table in resolve_tables(s):
@@ -82,11 +78,20 @@ class Upkeep:
                     return done
                 vacuum(s, [table], lite=True)  # the files compaction and retention removed
                 done["vacuumed"].append(table)
+                # a vacuum pass takes minutes under load: streams go on adding files meanwhile
+                self._compact_crowded(done)
             self.last_vacuum = now
             self._state.parent.mkdir(parents=True, exist_ok=True)
             self._state.write_text(json.dumps({"last_vacuum": now.isoformat()}))
         self.passes += 1
         return done
+
+    def _compact_crowded(self, done: dict[str, Any]) -> None:
+        for table in resolve_tables(self.settings):
+            if self._stop.is_set():
+                return
+            if small_files(self.settings, table) >= self.settings.maintenance.compact_min_files:
+                done["compacted"] += compact(self.settings, [table], zorder=False)
 
     def _load_last_vacuum(self) -> datetime | None:
         try:
