@@ -222,8 +222,10 @@ class MaintenanceSettings(_Section):
     auto: bool = True
     #: how often the built-in upkeep looks at the tables
     check_seconds: float = Field(60.0, gt=0)
-    #: a table with at least this many small files (under half ``target_file_size``) is compacted
+    #: the built-in upkeep bin-packs a table once it has this many files under
+    #: ``small_file_bytes``, into files of up to 4x that; bigger files are left alone
     compact_min_files: int = Field(50, ge=2)
+    small_file_bytes: int = Field(8 << 20, ge=1 << 16)
     vacuum_interval_hours: float = Field(24.0, gt=0)
     #: days of rows each table keeps (by its time column, lakehouse.tables.RETENTION_COLUMNS);
     #: a table not named keeps everything. Deleted by the built-in upkeep and `iotlake retain`.

@@ -108,7 +108,7 @@ def _files(path: str) -> dict[str, int]:
 
 
 def _compact_table(spark: SparkSession, path: str, table: str, target_size: int,
-                   zorder: bool) -> dict[str, Any]:
+                   zorder: bool, small_size: int) -> dict[str, Any]:
     from delta.tables import DeltaTable
 
     rs = open_table(path)
@@ -116,12 +116,12 @@ def _compact_table(spark: SparkSession, path: str, table: str, target_size: int,
     cols = ZORDER_COLUMNS.get(table) if zorder else None
     if cols and not set(cols) <= set(rs.schema().to_arrow().names):
         cols = None
-    small = [s for s in sizes if s < target_size // 2]
+    small = [s for s in sizes if s < small_size]
     mode = "zorder" if cols and len(small) > 1 and sum(small) >= ZORDER_MIN_FRACTION * sum(sizes) \
         else "compact"
     # files below minFileSize are candidates; bins are filled up to maxFileSize
     with _confs(spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_size),
-                        "spark.databricks.delta.optimize.minFileSize": str(max(1, target_size // 2))}):
+                        "spark.databricks.delta.optimize.minFileSize": str(max(1, small_size))}):
         opt = DeltaTable.forPath(spark, path).optimize()
         result = opt.executeZOrderBy(*cols) if mode == "zorder" and cols else opt.executeCompaction()
     row = result.collect()[0].asDict(recursive=True)
@@ -134,12 +134,15 @@ def _compact_table(spark: SparkSession, path: str, table: str, target_size: int,
 
 
 def compact(settings: Settings, tables: list[str] | None = None, target_size: int | None = None,
-            zorder: bool | None = None) -> list[dict[str, Any]]:
+            zorder: bool | None = None, small_size: int | None = None) -> list[dict[str, Any]]:
     """Bin-pack small files (Z-order where it pays) per table; returns per-table stats.
 
-    ``target_size`` and ``zorder`` default to ``settings.maintenance``.
+    Files under ``small_size`` (default half the target) are packed into files of up to
+    ``target_size``; bigger ones stay. ``target_size`` and ``zorder`` default to
+    ``settings.maintenance``.
     """
     size = target_size or settings.maintenance.target_file_size
+    small = small_size or size // 2
     use_z = settings.maintenance.zorder if zorder is None else zorder
     out: list[dict[str, Any]] = []
     spark = None
@@ -149,7 +152,7 @@ def compact(settings: Settings, tables: list[str] | None = None, target_size: in
             out.append({"table": table, "mode": "missing"})
             continue
         spark = spark or session(settings)
-        stats = _retry(lambda p=path, t=table, sp=spark: _compact_table(sp, p, t, size, use_z),
+        stats = _retry(lambda p=path, t=table, sp=spark: _compact_table(sp, p, t, size, use_z, small),
                        f"compact {table}")
         log.info("compact %s: %s", table, stats)
         out.append(stats)
@@ -295,9 +298,8 @@ def oldest(settings: Settings, table: str) -> datetime | None:
     return min(v if v.tzinfo else v.replace(tzinfo=UTC) for v in values)
 
 
-def small_files(settings: Settings, table: str) -> int:
-    """Data files under half ``maintenance.target_file_size`` (what compaction would bin-pack)."""
-    limit = settings.maintenance.target_file_size // 2
+def small_files(settings: Settings, table: str, limit: int) -> int:
+    """Data files under ``limit`` bytes (what compaction would bin-pack)."""
     return sum(1 for size in _files(settings.table_path(table)).values() if size < limit)
 
 

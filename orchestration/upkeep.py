@@ -6,8 +6,9 @@ plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
 
 - deletes a table's expired rows once the oldest is ``RETENTION_SLACK`` of its retention past
   due (Delta's file statistics say so without a scan, so a DELETE runs now and then);
-- bin-packs the tables whose small files reached ``maintenance.compact_min_files`` (no Z-order:
-  it would rewrite whole tables under load; the Airflow DAG does that);
+- bin-packs the tables whose small files (under ``maintenance.small_file_bytes``) reached
+  ``maintenance.compact_min_files``, leaving bigger files alone (no Z-order: it would rewrite
+  whole tables under load; the Airflow DAG does that);
 - every ``maintenance.vacuum_interval_hours``, vacuums what those removed (``LITE``: found in the
   Delta log, no directory listing, which took 10-80 s a table under load). The full vacuum,
   which also finds files of writes that never committed, is the DAG's and ``iotlake vacuum``'s.
@@ -87,11 +88,17 @@ class Upkeep:
         return done
 
     def _compact_crowded(self, done: dict[str, Any]) -> None:
+        """Bin-pack the tables with ``compact_min_files`` files under ``small_file_bytes`` into
+        files of up to 4x that, leaving bigger files alone: each row is rewritten about twice,
+        not at every pass (a table compacted whole each time left 12x its live bytes on disk
+        in removed files awaiting vacuum, and retention then rewrote the big files again)."""
+        m = self.settings.maintenance
         for table in resolve_tables(self.settings):
             if self._stop.is_set():
                 return
-            if small_files(self.settings, table) >= self.settings.maintenance.compact_min_files:
-                done["compacted"] += compact(self.settings, [table], zorder=False)
+            if small_files(self.settings, table, m.small_file_bytes) >= m.compact_min_files:
+                done["compacted"] += compact(self.settings, [table], target_size=4 * m.small_file_bytes,
+                                             zorder=False, small_size=m.small_file_bytes)
 
     def _load_last_vacuum(self) -> datetime | None:
         try:
