@@ -60,6 +60,7 @@ class Upkeep:
         self.passes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sc = None  # the SparkContext the thread's jobs run in
 
     def tick(self, now: datetime | None = None) -> dict[str, Any]:
         """Compaction of crowded tables, retention, then vacuum when due; what it did.
@@ -133,11 +134,12 @@ class Upkeep:
         or absent, so nothing is left half done; the next pass does it again)."""
         self._stop.set()
         if self._thread is not None and self._thread.is_alive():
-            session(self.settings).sparkContext.cancelJobGroup(JOB_GROUP)
+            if self._sc is not None:  # never start a session just to stop
+                self._sc.cancelJobGroup(JOB_GROUP)
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        sc = session(self.settings).sparkContext
+        sc = self._sc = session(self.settings).sparkContext
         sc.setLocalProperty("spark.scheduler.pool", "maintenance")  # this thread's jobs only
         sc.setJobGroup(JOB_GROUP, "iotlake run's table upkeep")
         while not self._stop.wait(self.settings.maintenance.check_seconds):
