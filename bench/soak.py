@@ -77,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def soak_settings(root: Path, retention_minutes: float) -> Settings:
     """Embedded brokers on free ports; every retention (rows of every table, Delta logs, vacuum,
-    Kafka by size) shortened so disk should level off within the run."""
+    Kafka by size) shortened so disk should level off within the run; tables partitioned in
+    buckets of at most half the retention (retention drops whole partitions)."""
     hours = retention_minutes / 60
+    bucket = max(d for d in range(1, 1441) if 1440 % d == 0 and d <= max(1.0, retention_minutes / 2))
     return load_settings(
         environ={}, data_root=str(root / "lake"),
         kafka={"embedded_port": free_port(pair=True), "embedded_retention_bytes": 16 << 20,
@@ -88,6 +90,7 @@ def soak_settings(root: Path, retention_minutes: float) -> Settings:
         maintenance={"allow_short_retention": True, "vacuum_retention_hours": hours,
                      "log_retention_hours": hours, "vacuum_interval_hours": hours / 2,
                      "check_seconds": min(60.0, max(10.0, retention_minutes * 6)),
+                     "partition_minutes": bucket,
                      "retention_days": dict.fromkeys(RETENTION_COLUMNS, hours / 24)})
 
 

@@ -15,10 +15,11 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse import delta_tables
+from lakehouse.delta_read import partition_minutes
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
-from lakehouse.tables import BRONZE
+from lakehouse.tables import BRONZE, PARTITION_COLUMN, bucket_sql
 
 TABLE = "bronze"
 SCHEMA = BRONZE
@@ -53,8 +54,10 @@ def java_client_options(client_config: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | None = None) -> DataFrame:
-    """The topic as Spark's Kafka source reads it, in bronze's columns."""
+def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | None = None,
+                 bucket_minutes: int | None = None) -> DataFrame:
+    """The topic as Spark's Kafka source reads it, in bronze's columns; with ``bucket_minutes``
+    also the time-bucket partition column (``lakehouse.tables.PARTITION_COLUMN``)."""
     st = settings.stream
     reader = (
         spark.readStream.format("kafka")
@@ -69,9 +72,12 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
         reader = reader.option("minPartitions", str(st.kafka_min_partitions))
     for k, v in java_client_options(settings.kafka.client_config).items():
         reader = reader.option(k, v)
-    return reader.load().select(
+    df = reader.load().select(
         "key", "value", "topic", "partition", "offset", "timestamp", "headers",
         F.current_timestamp().alias("ingest_time"))
+    if bucket_minutes:
+        df = df.withColumn(PARTITION_COLUMN, F.expr(bucket_sql(TABLE, bucket_minutes)))
+    return df
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
@@ -79,13 +85,16 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
     # readers see an empty table before data; file statistics only on the columns queries
     # filter bronze by (Kafka coordinates, times), not on the raw key, value and headers
-    delta_tables.ensure_table(spark, path, SCHEMA, properties=STATS_COLUMNS)
+    # partitioned by the ingest time's bucket, computed here: a generated column would make the
+    # Delta sink report 0 input rows per batch
+    delta_tables.ensure_named_table(spark, settings, TABLE, SCHEMA, properties=STATS_COLUMNS,
+                                    generated=False)
     # Started on its own (a bronze role, a backfill), bronze may come up before the bridge has
     # created the topic; subscribing to a missing topic fails the query.
     ensure_topics(settings)
     query_id(ckpt)  # lock the checkpoint: a second writer fails fast
     writer = (
-        kafka_stream(spark, settings, max_offsets).writeStream.format("delta")
+        kafka_stream(spark, settings, max_offsets, partition_minutes(path)).writeStream.format("delta")
         .queryName(TABLE)
         .outputMode("append")
         .option("checkpointLocation", ckpt)

@@ -43,7 +43,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
 from gold.anomaly import DetectorConfig, initial_rows, score_lanes, state_fields
-from lakehouse.delta_tables import add_missing_columns, append, ensure_table, upsert
+from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
 from lakehouse.tables import (
@@ -512,7 +512,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     for name, schema in (("readings_scored", READINGS_SCORED), ("anomalies", ANOMALIES),
                          ("device_status_history", DEVICE_STATUS_HISTORY),
                          ("device_current", current)):
-        ensure_table(spark, settings.table_path(name), schema)
+        ensure_named_table(spark, settings, name, schema)
     current_path = settings.table_path("device_current")
     current_columns = add_missing_columns(spark, current_path, current)  # a gold metric added
     writer = (

@@ -32,7 +32,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_tables import append, ensure_table, upsert
+from lakehouse.delta_tables import append, ensure_named_table, upsert
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
@@ -210,7 +210,7 @@ def sliding_windows(spark: SparkSession, tumbling_path: str, changed: DataFrame,
 def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
     ckpt = settings.checkpoint_path(TABLE)
     for name in (TABLE, SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
-        ensure_table(spark, settings.table_path(name), METRIC_WINDOWS)
+        ensure_named_table(spark, settings, name, METRIC_WINDOWS)
     batch = MergeBatch(settings, query_id(ckpt), ckpt)
     metrics = settings.telemetry.gold_metrics
     agg = window_aggregates(silver_stream(spark, settings, columns=["device_id", "event_time", *metrics]),

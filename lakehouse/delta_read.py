@@ -16,6 +16,7 @@ import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
 from lakehouse import storage
+from lakehouse.tables import PARTITION_COLUMN, PARTITION_MINUTES_PROPERTY
 
 
 def _opts(path: str, storage_options: dict[str, str] | None) -> dict[str, str] | None:
@@ -96,3 +97,12 @@ def arrow_dataset(dt: DeltaTable) -> ds.Dataset:
         root = uri.removeprefix("file://")
         return dt.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()))
     return dt.to_pyarrow_dataset()
+
+
+def partition_minutes(table_path: str) -> int | None:
+    """The time-bucket width a table is partitioned by (``lakehouse.tables.time_partitioning``);
+    None for a table created unpartitioned (before iotlake partitioned them, or by another tool)."""
+    meta = open_table(table_path).metadata()
+    if PARTITION_COLUMN not in meta.partition_columns:
+        return None
+    return int(meta.configuration.get(PARTITION_MINUTES_PROPERTY, "1440"))

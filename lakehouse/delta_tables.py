@@ -24,6 +24,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
+from lakehouse.settings import Settings
+from lakehouse.tables import time_partitioning
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -40,19 +43,39 @@ def spark_schema(schema: pa.Schema | StructType) -> StructType:
 
 
 def ensure_table(spark: SparkSession, path: str, schema: pa.Schema | StructType,
-                 partition_by: Sequence[str] = (), properties: dict[str, str] | None = None) -> None:
+                 partition_by: Sequence[str] = (), properties: dict[str, str] | None = None,
+                 generated: dict[str, str] | None = None,
+                 extra_columns: dict[str, str] | None = None) -> None:
     """Create the table at ``path`` if it does not exist, empty, with ``schema`` (idempotent,
-    safe against a concurrent creator)."""
+    safe against a concurrent creator). ``generated``: string columns Delta computes from this
+    SQL expression at every write; ``extra_columns``: name -> SQL type, filled by the writer
+    (both from ``lakehouse.tables.time_partitioning``)."""
     from delta.tables import DeltaTable
 
     if DeltaTable.isDeltaTable(spark, path):
         return
     b = DeltaTable.createIfNotExists(spark).location(path).addColumns(spark_schema(schema))
+    for name, expr in (generated or {}).items():
+        b = b.addColumn(name, "STRING", generatedAlwaysAs=expr)
+    for name, sql_type in (extra_columns or {}).items():
+        b = b.addColumn(name, sql_type)
     if partition_by:
         b = b.partitionedBy(*partition_by)
     for k, v in {**TABLE_PROPERTIES, **(properties or {})}.items():
         b = b.property(k, v)
     retry_conflicts(b.execute, f"create {path}")
+
+
+def ensure_named_table(spark: SparkSession, settings: Settings, table: str,
+                       schema: pa.Schema | StructType, properties: dict[str, str] | None = None,
+                       generated: bool = True) -> None:
+    """``ensure_table`` for one of the lakehouse's tables at its place under ``settings``: a
+    table retention can expire is partitioned by the time bucket of its retention column
+    (``generated=False``: its writer computes the bucket)."""
+    part = time_partitioning(table, settings.maintenance.partition_minutes, generated)
+    ensure_table(spark, settings.table_path(table), schema, partition_by=part.get("partition_by", ()),
+                 generated=part.get("generated"), extra_columns=part.get("extra_columns"),
+                 properties={**part.get("properties", {}), **(properties or {})})
 
 
 def add_missing_columns(spark: SparkSession, path: str, schema: pa.Schema | StructType) -> list[str]:
@@ -94,10 +117,14 @@ def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id:
         on = f"({within}) AND {on}"
     spark = df.sparkSession
 
+    # the source's columns by name, not UPDATE/INSERT *: Delta computes generated columns
+    # (``time_bucket``) the source does not carry, and * would require them
+    cols = {f"`{c}`": f"s.`{c}`" for c in df.columns}
+
     def run() -> None:
         m = DeltaTable.forPath(spark, path).alias("t").merge(df.alias("s"), on)
-        m = m.whenMatchedUpdateAll(condition=when_newer) if when_newer else m.whenMatchedUpdateAll()
-        m.whenNotMatchedInsertAll().execute()
+        m = m.whenMatchedUpdate(condition=when_newer, set=cols)
+        m.whenNotMatchedInsert(values=cols).execute()
 
     with_txn(spark, app_id, batch_id, lambda: retry_conflicts(run, f"merge into {path}"))
 

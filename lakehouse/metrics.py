@@ -22,7 +22,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
 from lakehouse.delta_read import latest_version
-from lakehouse.delta_tables import ensure_table, upsert
+from lakehouse.delta_tables import ensure_named_table, upsert
 from lakehouse.tables import PIPELINE_METRICS
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,6 @@ class MetricsListener(StreamingQueryListener):
         self._flushes = 0
         self._app_id = f"pipeline_metrics-{uuid.uuid4()}"
         self._stop = threading.Event()
-        ensure_table(spark, table_path, PIPELINE_METRICS)
         self._thread = threading.Thread(target=self._run, name="iotlake-metrics-writer", daemon=True)
         self._thread.start()
 
@@ -260,6 +259,7 @@ def install(spark, settings) -> MetricsListener:
             return existing
         existing.close()
         spark.streams.removeListener(existing)
+    ensure_named_table(spark, settings, "pipeline_metrics", PIPELINE_METRICS)
     listener = MetricsListener(spark, path, settings.observability.metrics_flush_seconds)
     spark.streams.addListener(listener)
     spark._iotlake_metrics = listener

@@ -233,6 +233,20 @@ class MaintenanceSettings(_Section):
         "bronze": 7, "quarantine": 30, "readings_scored": 30, "anomalies": 90,
         "device_status_history": 90, "quality_log": 30, "pipeline_metrics": 7})
 
+    #: tables retention can expire are partitioned by buckets of this many minutes of their time
+    #: column (a day, or a divisor of one), so retention drops whole partitions without
+    #: conflicting with the streams' appends; rows live up to one bucket past their retention.
+    #: Fixed when a table is created.
+    partition_minutes: int = Field(1440, ge=1)
+
+    @field_validator("partition_minutes")
+    @classmethod
+    def _whole_buckets(cls, v: int) -> int:
+        if 1440 % v and v % 1440:
+            raise ValueError(f"maintenance.partition_minutes must divide a day (1440) or be whole "
+                             f"days, got {v}: e.g. 1440 (a day), 60 (an hour), 5")
+        return v
+
     @field_validator("retention_days")
     @classmethod
     def _known_tables(cls, v: dict[str, float]) -> dict[str, float]:
@@ -250,6 +264,11 @@ class MaintenanceSettings(_Section):
 
     @model_validator(mode="after")
     def _long_enough(self) -> MaintenanceSettings:
+        brief = sorted(t for t, d in self.retention_days.items() if d * 1440 < self.partition_minutes)
+        if brief:
+            raise ValueError(f"maintenance.retention_days of {brief} is shorter than one partition "
+                             f"(maintenance.partition_minutes = {self.partition_minutes}): retention "
+                             f"drops whole partitions, so lower partition_minutes or keep rows longer")
         short = [k for k in ("vacuum_retention_hours", "log_retention_hours")
                  if getattr(self, k) < MIN_RETENTION_HOURS]
         if short and not self.allow_short_retention:

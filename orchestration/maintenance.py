@@ -24,10 +24,16 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lakehouse.delta_read import open_table, table_exists
+from lakehouse.delta_read import open_table, partition_minutes, table_exists
 from lakehouse.delta_tables import retry_conflicts
 from lakehouse.settings import MIN_RETENTION_HOURS, Settings
-from lakehouse.tables import RETENTION_COLUMNS, SCHEMAS
+from lakehouse.tables import (
+    PARTITION_COLUMN,
+    RETENTION_COLUMNS,
+    SCHEMAS,
+    bucket_start,
+    bucket_text,
+)
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable as RsTable
@@ -257,11 +263,26 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
     return out
 
 
+def expiry(settings: Settings, table: str, now: datetime) -> tuple[datetime, str, bool]:
+    """(boundary, predicate, whole partitions): retention deletes the rows before the boundary,
+    with this DELETE predicate. A time-partitioned table loses whole partitions (the boundary is
+    the start of the cutoff's bucket): the DELETE only removes files, and it does not conflict
+    with streams appending to newer partitions. An unpartitioned table is deleted to the cutoff
+    by its time column, which conflicts with every concurrent append (retried next pass)."""
+    cutoff = now - timedelta(days=settings.maintenance.retention_days[table])
+    minutes = partition_minutes(settings.table_path(table))
+    if minutes:
+        return bucket_start(cutoff, minutes), f"`{PARTITION_COLUMN}` < '{bucket_text(cutoff, minutes)}'", True
+    literal = cutoff.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return cutoff, f"`{RETENTION_COLUMNS[table]}` < to_timestamp('{literal}')", False
+
+
 def retain(settings: Settings, tables: list[str] | None = None,
            now: datetime | None = None) -> list[dict[str, Any]]:
-    """Delete the rows older than each table's ``maintenance.retention_days`` by its time column
-    (``RETENTION_COLUMNS``); tables without a retention are left alone. The streams reading
-    these tables skip the delete commits (``skipChangeCommits``); vacuum frees the bytes later."""
+    """Delete the rows past each table's ``maintenance.retention_days`` by its time column
+    (``RETENTION_COLUMNS``; whole partitions where the table is time-partitioned, see
+    ``expiry``); tables without a retention are left alone. The streams reading these tables
+    skip the delete commits (``skipChangeCommits``); vacuum frees the bytes later."""
     days = settings.maintenance.retention_days
     now = now or datetime.now(UTC)
     out: list[dict[str, Any]] = []
@@ -274,14 +295,13 @@ def retain(settings: Settings, tables: list[str] | None = None,
             out.append({"table": table, "status": "missing"})
             continue
         spark = spark or session(settings)
-        cutoff = now - timedelta(days=days[table])
-        sql = (f"DELETE FROM {_quoted(path)} WHERE `{RETENTION_COLUMNS[table]}` < "
-               f"to_timestamp('{cutoff.astimezone(UTC).strftime('%Y-%m-%d %H:%M:%S.%f')}')")
+        boundary, predicate, whole = expiry(settings, table, now)
+        sql = f"DELETE FROM {_quoted(path)} WHERE {predicate}"
         rows = _retry(lambda s=sql, sp=spark: sp.sql(s).collect(), f"retain {table}")
         deleted = int(rows[0][0]) if rows and rows[0][0] is not None else 0
-        log.info("retain %s: %d rows before %s deleted", table, deleted, cutoff.isoformat())
-        out.append({"table": table, "cutoff": cutoff.isoformat(), "deleted_rows": deleted,
-                    "version": open_table(path).version()})
+        log.info("retain %s: %d rows before %s deleted", table, deleted, boundary.isoformat())
+        out.append({"table": table, "cutoff": boundary.isoformat(), "partitions": whole,
+                    "deleted_rows": deleted, "version": open_table(path).version()})
     return out
 
 

@@ -4,8 +4,9 @@ Streaming sinks add small files every micro-batch and nothing else ever deletes 
 plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
 ``maintenance.check_seconds`` this thread:
 
-- deletes a table's expired rows once the oldest is ``RETENTION_SLACK`` of its retention past
-  due (Delta's file statistics say so without a scan, so a DELETE runs now and then);
+- drops a table's partitions that passed its retention (Delta's file statistics say so without
+  a scan; a table created unpartitioned loses rows once the oldest is ``RETENTION_SLACK`` of its
+  retention past due);
 - bin-packs the tables whose small files (under ``maintenance.small_file_bytes``) reached
   ``maintenance.compact_min_files``, leaving bigger files alone (no Z-order: it would rewrite
   whole tables under load; the Airflow DAG does that);
@@ -34,6 +35,7 @@ from lakehouse.delta_read import table_exists
 from lakehouse.settings import Settings
 from orchestration.maintenance import (
     compact,
+    expiry,
     oldest,
     resolve_tables,
     retain,
@@ -113,14 +115,18 @@ class Upkeep:
             return None
 
     def _expiring(self, now: datetime) -> list[str]:
-        """Tables whose oldest row is past its retention by more than the slack."""
+        """Tables with a whole partition past its retention, or (unpartitioned) whose oldest row
+        is past it by more than the slack."""
         s = self.settings
         out = []
         for table, days in s.maintenance.retention_days.items():
             if not table_exists(s.table_path(table)):
                 continue
+            boundary, _, whole = expiry(s, table, now)
+            if not whole:
+                boundary = now - timedelta(days=days * (1 + RETENTION_SLACK))
             first = oldest(s, table)
-            if first is not None and first < now - timedelta(days=days * (1 + RETENTION_SLACK)):
+            if first is not None and first < boundary:
                 out.append(table)
         return out
 

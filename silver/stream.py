@@ -359,7 +359,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     ckpt = settings.checkpoint_path(TABLE)
     schema = silver_schema(settings.telemetry)
     for name, table_schema in ((TABLE, schema), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
-        delta_tables.ensure_table(spark, settings.table_path(name), table_schema)
+        delta_tables.ensure_named_table(spark, settings, name, table_schema)
     # a metric or topic part added to the model: its column, before any reader starts
     delta_tables.add_missing_columns(spark, settings.table_path(TABLE), schema)
     app_id = query_id(ckpt)

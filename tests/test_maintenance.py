@@ -212,7 +212,8 @@ def test_upkeep_expires_compacts_and_the_streams_skip_its_deletes(tmp_path: Path
     upkeep = Upkeep(s)
     done = upkeep.tick(now)
     assert [(r["table"], r["deleted_rows"]) for r in done["retained"]] == [("bronze", 30)]
-    assert [c["table"] for c in done["compacted"]] == ["bronze"] and done["compacted"][0]["files_after"] == 1
+    compacted = {c["table"]: c for c in done["compacted"]}
+    assert compacted["bronze"]["files_after"] == 1  # silver too: its 2 day partitions, a file per batch
     assert set(done["vacuumed"]) >= {"bronze", "silver"}  # first pass: due (lite, 168 h: none deleted)
     bronze = DeltaTable(s.table_path("bronze"))
     ops = [r["operation"] for r in bronze.history(4)]
@@ -234,3 +235,49 @@ def test_upkeep_expires_compacts_and_the_streams_skip_its_deletes(tmp_path: Path
         running._stop.wait(0.2)
     running.stop()
     assert running.passes >= 1
+
+
+def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path, spark,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Tables retention can expire are partitioned by a time bucket Delta generates from their
+    time column, so a retention DELETE names only old partitions: it removes whole files and
+    commits at its first try while a stream appends every 200 ms (on an unpartitioned table the
+    same DELETE conflicted with every append)."""
+    import logging
+
+    from pyspark.sql import functions as F
+
+    from lakehouse.delta_tables import ensure_named_table
+    from lakehouse.tables import BRONZE, PARTITION_COLUMN
+    from orchestration.maintenance import retain
+
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+                      maintenance={"retention_days": {"bronze": 1}, "partition_minutes": 60})
+    path = s.table_path("bronze")
+    ensure_named_table(spark, s, "bronze", BRONZE)
+    now = datetime.now(UTC)
+    old = now - timedelta(days=2)
+    spark.createDataFrame([(i, old + timedelta(minutes=i)) for i in range(90)],  # 2-3 hourly partitions
+                          "offset long, ingest_time timestamp").write.format("delta").mode("append").save(path)
+    live = (spark.readStream.format("rate").option("rowsPerSecond", 50).load()
+            .select(F.col("value").alias("offset"), F.current_timestamp().alias("ingest_time"))
+            .writeStream.format("delta").option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="200 milliseconds").start(path))
+    try:
+        while len(DeltaTable(path).history()) < 6:  # the stream is committing
+            live.awaitTermination(0.2)
+        with caplog.at_level(logging.INFO, logger="lakehouse.delta_tables"):
+            [done] = retain(s, ["bronze"], now=now)
+            assert live.isActive
+    finally:
+        live.stop()
+    assert (done["deleted_rows"], done["partitions"]) == (90, True)
+    assert "commit conflict" not in caplog.text
+    delete = next(c for c in DeltaTable(path).history() if c["operation"] == "DELETE")
+    assert int(delete["operationMetrics"]["numAddedFiles"]) == 0  # whole files removed, none rewritten
+    table = DeltaTable(path)
+    assert table.metadata().partition_columns == [PARTITION_COLUMN]
+    got = table.to_pyarrow_table(columns=["offset", "ingest_time", PARTITION_COLUMN])
+    assert got.num_rows > 0 and min(got.column("ingest_time").to_pylist()) > now - timedelta(days=1)
+    first = got.sort_by("offset").to_pylist()[0]
+    assert first[PARTITION_COLUMN] == first["ingest_time"].strftime("%Y-%m-%d %H:00")

@@ -184,6 +184,12 @@ def test_maintenance_retentions(spark, tmp_path: Path) -> None:
         load_settings(environ={}, maintenance={"retention_days": {"device_current": 1}})
     with pytest.raises(SettingsError, match="must be > 0 days"):
         load_settings(environ={}, maintenance={"retention_days": {"bronze": 0}})
+    with pytest.raises(SettingsError, match="partition_minutes must divide a day"):
+        load_settings(environ={}, maintenance={"partition_minutes": 7})
+    with pytest.raises(SettingsError, match=r"retention_days of \['bronze'\] is shorter than one partition"):
+        load_settings(environ={}, maintenance={"retention_days": {"bronze": 0.5}})
+    assert load_settings(environ={}, maintenance={"retention_days": {"bronze": 0.5},
+                                                  "partition_minutes": 60}).maintenance.partition_minutes == 60
     # the suite's session was made from the default settings: 168 h each
     path = str(tmp_path / "t")
     ensure_table(spark, path, BRONZE)
