@@ -254,7 +254,10 @@ def _watch(settings, published, silver_seen, current_seen, stop: threading.Event
         now = time.time()
         for ver in range(seen_v + 1, v + 1):
             for path, _ in commit_adds(silver, ver):
-                ids = pq.read_table(Path(silver, path), columns=["event_id", "device_id"]).to_pydict()
+                try:
+                    ids = pq.read_table(Path(silver, path), columns=["event_id", "device_id"]).to_pydict()
+                except FileNotFoundError:  # vacuumed already (a soak's minutes-long retention)
+                    continue
                 for e, d in zip(ids["event_id"], ids["device_id"], strict=True):
                     if d == PROBE and e in published and e not in silver_seen:
                         silver_seen[e] = now

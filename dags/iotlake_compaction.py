@@ -48,11 +48,13 @@ def iotlake_compaction() -> None:
 
     @task
     def vacuum(table: str) -> dict[str, Any]:
-        from orchestration.maintenance import vacuum
+        from orchestration.maintenance import clean_log, vacuum
         from orchestration.maintenance_cli import task_settings
 
-        result = vacuum(task_settings(), [table])[0]
-        return {**result, "deleted": len(result["deleted"])}  # counts only: keep XCom small
+        settings = task_settings()
+        result = vacuum(settings, [table])[0]
+        logs = clean_log(settings, [table]).get(table, 0)  # expired Delta log files
+        return {**result, "deleted": len(result["deleted"]), "log_files_deleted": logs}
 
     @task_group
     def maintain(table: str) -> None:

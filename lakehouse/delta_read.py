@@ -8,6 +8,7 @@ Paths may be local or ``s3://`` URIs; storage options default to those configure
 from __future__ import annotations
 
 import json
+from urllib.parse import unquote
 from pathlib import Path
 
 import pyarrow as pa
@@ -67,7 +68,7 @@ def latest_version(table_path: str, storage_options: dict[str, str] | None = Non
 
 def commit_adds(table_path: str, version: int,
                 storage_options: dict[str, str] | None = None) -> list[tuple[str, int]]:
-    """(relative path, numRecords) of the files one commit added with dataChange=true (what a
+    """(relative file path, decoded, numRecords) of the files one commit added with dataChange=true (what a
     Delta streaming source reads; compaction's dataChange=false files are not)."""
     log_file = storage.join(table_path, "_delta_log", f"{version:020d}.json")
     adds = []
@@ -77,7 +78,7 @@ def commit_adds(table_path: str, version: int,
         add = json.loads(line).get("add")
         if add and add.get("dataChange", True):
             stats = json.loads(add.get("stats") or "{}")
-            adds.append((add["path"], int(stats.get("numRecords", -1))))
+            adds.append((unquote(add["path"]), int(stats.get("numRecords", -1))))  # the log holds URIs
     return adds
 
 

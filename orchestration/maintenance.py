@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lakehouse.delta_read import open_table, partition_minutes, table_exists
@@ -302,6 +303,38 @@ def retain(settings: Settings, tables: list[str] | None = None,
         log.info("retain %s: %d rows before %s deleted", table, deleted, boundary.isoformat())
         out.append({"table": table, "cutoff": boundary.isoformat(), "partitions": whole,
                     "deleted_rows": deleted, "version": open_table(path).version()})
+    return out
+
+
+_VERSION_FILE = re.compile(r"^\.?(\d{20})\.")
+
+
+def clean_log(settings: Settings, tables: list[str] | None = None) -> dict[str, int]:
+    """Delete each table's Delta log files older than its ``delta.logRetentionDuration`` that
+    precede its latest checkpoint (delta-rs: to the minute; delta-spark's own clean-up at
+    checkpoints only removes commits from before the day the cutoff falls in, so a busy table
+    held a day of commits more than its retention). On a local data root, also the checksum
+    files left beside them (Delta's ``N.crc``, Hadoop's hidden ``.N.json.crc``). Returns the
+    number of files deleted per table."""
+    out: dict[str, int] = {}
+    for table in resolve_tables(settings, tables):
+        path = settings.table_path(table)
+        log_dir = Path(path, "_delta_log")
+        before = None if settings.remote else sum(1 for _ in log_dir.iterdir())
+        open_table(path).cleanup_metadata()
+        if before is None:
+            continue
+        names = [p.name for p in log_dir.iterdir()]
+        kept = [int(m.group(1)) for n in names if n.endswith(".json") and (m := _VERSION_FILE.match(n))]
+        first = min(kept, default=0)
+        old = [n for n in names if (m := _VERSION_FILE.match(n)) and int(m.group(1)) < first]
+        for n in old:  # Delta's version checksums
+            if n.endswith(".crc") and not n.startswith("."):
+                (log_dir / n).unlink(missing_ok=True)
+        for n in old:  # Hadoop's checksum sidecars of files now gone
+            if n.startswith(".") and not (log_dir / n[1:].removesuffix(".crc")).exists():
+                (log_dir / n).unlink(missing_ok=True)
+        out[table] = before - sum(1 for _ in log_dir.iterdir())
     return out
 
 

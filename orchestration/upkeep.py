@@ -10,6 +10,8 @@ plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
 - bin-packs the tables whose small files (under ``maintenance.small_file_bytes``) reached
   ``maintenance.compact_min_files``, leaving bigger files alone (no Z-order: it would rewrite
   whole tables under load; the Airflow DAG does that);
+- deletes Delta log files past ``maintenance.log_retention_hours`` (``clean_log``: Delta's own
+  clean-up keeps up to a day more);
 - every ``maintenance.vacuum_interval_hours``, vacuums what those removed (``LITE``: found in the
   Delta log, no directory listing, which took 10-80 s a table under load). The full vacuum,
   which also finds files of writes that never committed, is the DAG's and ``iotlake vacuum``'s.
@@ -18,8 +20,7 @@ It calls the same functions as the CLI and the DAG (``orchestration.maintenance`
 pool ``maintenance`` so the streams' tasks go first. ``maintenance.auto = false`` turns it off
 when Airflow does the upkeep.
 
-The Delta logs stay bounded by ``maintenance.log_retention_hours`` (commit files older than that
-are removed at Delta's log checkpoints); Spark bounds the streams' checkpoint logs and state
+The Delta logs stay bounded by ``maintenance.log_retention_hours``; Spark bounds the streams' checkpoint logs and state
 versions (``spark.sql.streaming.minBatchesToRetain``), silver's dedup index its own changelog.
 """
 
@@ -34,6 +35,7 @@ from typing import Any
 from lakehouse.delta_read import table_exists
 from lakehouse.settings import Settings
 from orchestration.maintenance import (
+    clean_log,
     compact,
     expiry,
     oldest,
@@ -71,6 +73,9 @@ class Upkeep:
         now = now or datetime.now(UTC)
         done: dict[str, Any] = {"retained": [], "compacted": []}
         self._compact_crowded(done)
+        done["log_files_deleted"] = sum(clean_log(s).values())  # Delta's own waits for the next day
+        if not done["log_files_deleted"]:
+            del done["log_files_deleted"]
         for table in self._expiring(now):
             if self._stop.is_set():
                 return done

@@ -280,4 +280,32 @@ def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path,
     got = table.to_pyarrow_table(columns=["offset", "ingest_time", PARTITION_COLUMN])
     assert got.num_rows > 0 and min(got.column("ingest_time").to_pylist()) > now - timedelta(days=1)
     first = got.sort_by("offset").to_pylist()[0]
-    assert first[PARTITION_COLUMN] == first["ingest_time"].strftime("%Y-%m-%d %H:00")
+    assert first[PARTITION_COLUMN] == first["ingest_time"].strftime("%Y-%m-%d-%H00")
+
+
+def test_clean_log_removes_expired_commits_and_their_checksums(tmp_path: Path, spark) -> None:
+    """Commits past the table's log retention that precede its latest checkpoint go, with the
+    checksum files beside them; the table reads the same through delta-spark and delta-rs, and
+    takes new commits. (Delta's own clean-up would keep them until the next calendar day.)"""
+    import os
+    import time
+
+    from orchestration.maintenance import clean_log
+
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    path = s.table_path("quality_log")
+    for i in range(23):  # log checkpoints at versions 10 and 20
+        spark.range(i, i + 1).write.format("delta").mode("append").save(path)
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ("
+              "'delta.logRetentionDuration' = 'interval 1 minutes', 'delta.deletedFileRetentionDuration' = 'interval 1 minutes')")
+    log_dir = Path(path, "_delta_log")
+    hour_ago = time.time() - 3600
+    for f in log_dir.iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    assert clean_log(s, ["quality_log"])["quality_log"] > 0
+    names = sorted(p.name for p in log_dir.iterdir() if p.is_file())
+    versions = {int(n.lstrip(".")[:20]) for n in names if n.lstrip(".")[:20].isdigit()}
+    assert min(versions) == 20 and f"{20:020d}.checkpoint.parquet" in names and f"{19:020d}.json" not in names
+    assert spark.read.format("delta").load(path).count() == DeltaTable(path).to_pyarrow_table().num_rows == 23
+    spark.range(99, 100).write.format("delta").mode("append").save(path)
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 24
