@@ -8,8 +8,8 @@ Paths may be local or ``s3://`` URIs; storage options default to those configure
 from __future__ import annotations
 
 import json
-from urllib.parse import unquote
 from pathlib import Path
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.dataset as ds
