@@ -162,7 +162,9 @@ class MetricsListener(StreamingQueryListener):
     ``flush_seconds`` (from its own thread)."""
 
     def __init__(self, spark: SparkSession, table_path: str, flush_seconds: float) -> None:
-        self.spark = spark
+        # its own session: the MERGE's transaction id is a session conf (``with_txn``), which
+        # other threads' commits in the shared session (the upkeep's DELETEs) would pick up
+        self.spark = spark.newSession()
         self.path = table_path
         self.flush_seconds = flush_seconds
         self._rows: list[dict] = []

@@ -254,7 +254,16 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
                 listed = _retry(lambda s=sql, sp=spark: [r[0] for r in sp.sql(s + " DRY RUN").collect()],
                                 f"vacuum {table}")
             if not dry_run and (listed is None or listed):
-                _retry(lambda s=sql, sp=spark: sp.sql(s).collect(), f"vacuum {table}")
+                try:
+                    _retry(lambda s=sql, sp=spark: sp.sql(s).collect(), f"vacuum {table}")
+                except Exception as e:  # noqa: BLE001 - py4j: match Delta's error class by name
+                    # LITE needs the log back to the last vacuum; log clean-up (clean_log)
+                    # may have removed it: this once, the full vacuum lists the directory
+                    if not lite or "DELTA_CANNOT_VACUUM_LITE" not in str(e):
+                        raise
+                    log.info("vacuum %s: the Delta log no longer reaches the last vacuum; full vacuum", table)
+                    full = sql.removesuffix(" LITE")
+                    _retry(lambda s=full, sp=spark: sp.sql(s).collect(), f"vacuum {table}")
         deleted = None if listed is None else sorted(_relative(path, f) for f in listed)
         effective = 0 if forced else kept
         log.info("vacuum %s (%s, %g h, dry_run=%s): %s files", table, "lite" if lite else "full",

@@ -54,6 +54,14 @@ JOB_GROUP = "iotlake-upkeep"
 RETENTION_SLACK = 0.1
 
 
+def error_line(e: BaseException) -> str:
+    """The line of a (py4j) error that names it: Delta's error class or the Java exception,
+    not py4j's "An error occurred while calling o84.sql"."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = next((ln for ln in lines if "[DELTA_" in ln or "Exception:" in ln), None)
+    return (named or (lines[0] if lines else type(e).__name__))[:300]
+
+
 class Upkeep:
     """One upkeep pass (``tick``) and the thread that runs it every ``check_seconds``."""
 
@@ -83,7 +91,7 @@ class Upkeep:
                 done["retained"] += [r for r in retain(s, [table], now=now) if r.get("deleted_rows")]
             except Exception as e:  # noqa: BLE001 - e.g. conflicts with a busy stream's appends
                 log.warning("retention of %s failed (the next pass tries again): %s", table,
-                            str(e).splitlines()[0][:300])
+                            error_line(e))
             self._compact_crowded(done)  # a failed DELETE must not hold compaction up
         if self.last_vacuum is None or now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
             done["vacuumed"] = []
@@ -162,4 +170,4 @@ class Upkeep:
                 if self._stop.is_set():
                     return
                 log.warning("upkeep pass failed (retried in %.0f s): %s",
-                            self.settings.maintenance.check_seconds, str(e).splitlines()[0])
+                            self.settings.maintenance.check_seconds, error_line(e))
