@@ -56,7 +56,7 @@ from functools import lru_cache
 import numba
 import numpy as np
 
-STATE_VERSION = 1.0
+STATE_VERSION = 2.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,13 @@ class DetectorConfig:
     flat_factor: float = 2.0  # ... and more than flat_factor x the longest recent run
     flat_decay: float = 0.999  # per-reading decay of the remembered longest run
     scale_floor: float = 1e-6  # relative floor of every scale: 1e-6 x (1 + |x|)
+    local_margin: float = 2.5  # fast/slow/flat flag at local_margin x their own boundary
+    wide_alpha: float = 1.0 / 3000  # wide view: EWMA mean/variance of the raw value
+    wide_k: float = 7.0  # raw reading vs the wide mean, in wide standard deviations
+    short_alpha: float = 0.2  # short-smoothed value (~5 readings) vs the wide mean ...
+    short_k: float = 3.5  # ... in wide standard deviations
+    long_alpha: float = 0.02  # long-smoothed value (~50 readings) vs the wide mean ...
+    long_k: float = 2.0  # ... in wide standard deviations
 
     def __post_init__(self) -> None:
         problems = []
@@ -104,10 +111,12 @@ class DetectorConfig:
         if not 0.0 < self.tail_quantile < 1.0:
             problems.append("tail_quantile must be in (0, 1)")
         for name in ("level_alpha", "mid_alpha", "scale_alpha", "baseline_alpha", "slow_scale_alpha",
-                     "season_alpha", "season_scale_alpha", "tail_rate"):
+                     "season_alpha", "season_scale_alpha", "tail_rate", "wide_alpha", "short_alpha",
+                     "long_alpha"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 problems.append(f"{name} must be in (0, 1]")
-        for name in ("k_fast", "k_slow", "huber_c", "flat_factor"):
+        for name in ("k_fast", "k_slow", "huber_c", "flat_factor", "local_margin", "wide_k",
+                     "short_k", "long_k"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
         if problems:
@@ -130,6 +139,8 @@ _SCALARS: tuple[str, ...] = (
     "streak",  # signed count of consecutive fast exceedances (+ up, - down)
     "slow_streak",  # signed count of slow exceedances (eroded by readings back inside)
     "last_time",  # event time of the last reading (epoch s), informational
+    "wide_mean", "wide_var",  # wide view: EWMA mean and variance of the raw value
+    "short_mean", "long_mean",  # short- and long-smoothed value
 )
 _ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
 
@@ -171,6 +182,10 @@ class DetectorState:
     streak: float = 0.0
     slow_streak: float = 0.0
     last_time: float = float("nan")
+    wide_mean: float = 0.0
+    wide_var: float = 0.0
+    short_mean: float = 0.0
+    long_mean: float = 0.0
     season: list[float] = field(default_factory=list)
     season_visits: list[float] = field(default_factory=list)
     bin_scale_fast: list[float] = field(default_factory=list)
@@ -222,7 +237,8 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
         cfg.slow_floor, cfg.level_alpha, cfg.mid_alpha, cfg.scale_alpha, cfg.baseline_alpha,
         cfg.slow_scale_alpha, cfg.season_period, cfg.season_alpha, cfg.season_scale_alpha,
         cfg.season_early_visits, cfg.huber_c, q_dn, q_up, cfg.shift_readings, cfg.accept_after,
-        cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor))
+        cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
+        cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k))
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
@@ -298,13 +314,14 @@ def _njit_cached(fn):
 def _kernel(xs, ts, offs, states, k, p):
     """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
-     c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel) = p
+     c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
+     a_w, k_w, a_sh, k_sh, a_lo, k_lo) = p
     total = xs.size
     scores = np.zeros(total)
     base_out = np.full(total, np.nan)
     flags = np.zeros(total, dtype=np.bool_)
     n_out = np.zeros(total)
-    o_s = 18  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 18 scalars
+    o_s = 22  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 22 scalars
     o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
     for lane in range(offs.size - 1):
         row = states[lane]
@@ -318,6 +335,7 @@ def _kernel(xs, ts, offs, states, k, p):
         m = 0  # valid readings so far in this lane (the episode counter's index)
         last_hot = -1
         t_last = row[17]
+        w_m, w_v, sh_m, lo_m = row[18], row[19], row[20], row[21]
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
@@ -338,9 +356,14 @@ def _kernel(xs, ts, offs, states, k, p):
                 mid = xv
                 bas = xv - seas
                 xl = xv
+                w_m = xv
+                w_v = 0.0
+                sh_m = xv
+                lo_m = xv
                 n = 1.0
                 base_out[i] = xv
                 z = 0.0
+                which = 0
             else:
                 sbf = w0 * row[o_f + b0] + w1 * row[o_f + b1]
                 sbs = w0 * row[o_b + b0] + w1 * row[o_b + b1]
@@ -418,13 +441,42 @@ def _kernel(xs, ts, offs, states, k, p):
                 else:
                     zfl = 0.0
 
-                z = zf
+                # -- wide view: raw, short- and long-smoothed value vs a wide Gaussian
+                sh_m += (a_sh if a_sh > inv else inv) * (xv - sh_m)
+                lo_m += (a_lo if a_lo > inv else inv) * (xv - lo_m)
+                sd_w = np.sqrt(w_v)
+                if sd_w < fl_:
+                    sd_w = fl_
+                zw = abs(xv - w_m) / (k_w * sd_w)
+                zsh = abs(sh_m - w_m) / (k_sh * sd_w)
+                zlo = abs(lo_m - w_m) / (k_lo * sd_w)
+                dw = xv - w_m
+                aw = a_w if a_w > inv else inv
+                w_m += aw * dw
+                w_v = (1.0 - aw) * (w_v + aw * dw * dw)
+
+                z = zf * inv_margin
+                which = 1
                 base_out[i] = base_f
-                if zsl > z:
-                    z = zsl
+                if zsl * inv_margin > z:
+                    z = zsl * inv_margin
+                    which = 2
                     base_out[i] = base_s
-                if zfl > z:
-                    z = zfl
+                if zfl * inv_margin > z:
+                    z = zfl * inv_margin
+                    which = 3
+                if zw > z:
+                    z = zw
+                    which = 4
+                    base_out[i] = w_m - aw * dw
+                if zsh > z:
+                    z = zsh
+                    which = 5
+                    base_out[i] = w_m - aw * dw
+                if zlo > z:
+                    z = zlo
+                    which = 6
+                    base_out[i] = w_m - aw * dw
 
                 # -- learning: fast scales (frozen while fast says anomalous), tail quantiles
                 if not (learning and zf >= 1.0):
@@ -521,6 +573,7 @@ def _kernel(xs, ts, offs, states, k, p):
             row[14] = float(m - 1 - last_hot) if last_hot >= 0 else since0 + m
             row[15], row[16] = streak, sstreak
             row[17] = t_last
+            row[18], row[19], row[20], row[21] = w_m, w_v, sh_m, lo_m
     return scores, base_out, flags, n_out
 
 
