@@ -48,7 +48,10 @@ from gold.anomaly import (  # noqa: E402
     DetectorConfig,
     WindowedGaussianBaseline,
     WindowedGaussianConfig,
+    initial_rows,
     score_batch,
+    score_lanes,
+    state_fields,
 )
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "nab"
@@ -218,6 +221,89 @@ def best_baseline(corpus: list[Series]) -> tuple[float, dict[str, SeriesScore],
     return best
 
 
+def category(name: str) -> str:
+    """NAB's category of a series: its folder (artificialNoAnomaly, realTweets, ...)."""
+    return name.split("/")[0] if "/" in name else "."
+
+
+def _score_or_none(scores: list[SeriesScore]) -> float | None:
+    return None if not sum(s.windows for s in scores) else corpus_score(scores)
+
+
+def per_category(per: dict[str, SeriesScore]) -> dict[str, dict]:
+    """NAB score of each category alone (None without windows: only its false positives count)."""
+    cats: dict[str, list[SeriesScore]] = {}
+    for name, s in per.items():
+        cats.setdefault(category(name), []).append(s)
+    return {c: {"score": None if (sc := _score_or_none(v)) is None else round(sc, 2),
+                "raw": round(sum(s.raw for s in v), 3), "series": len(v),
+                "windows": sum(s.windows for s in v), "detected": sum(s.detected for s in v),
+                "false_positives": sum(s.false_positives for s in v)}
+            for c, v in sorted(cats.items())}
+
+
+#: The default-choosing procedure: a small grid over the knobs that weigh the detector's views
+#: against each other; the default config is its best on the whole corpus, and ``--loco`` checks
+#: that choice generalises by choosing without each category in turn.
+LOCO_GRID: dict[str, tuple] = {
+    "local_margin": (2.0, 2.5, 3.0),
+    "wide_k": (6.0, 7.0, 8.0),
+    "short_k": (3.0, 3.5, 4.0),
+    "long_k": (1.5, 2.0, 2.5),
+}
+
+
+def grid_configs(base: DetectorConfig, grid: dict[str, tuple] | None = None
+                 ) -> list[DetectorConfig]:
+    import itertools
+
+    grid = LOCO_GRID if grid is None else grid
+    return [replace(base, **dict(zip(grid, vals, strict=True)))
+            for vals in itertools.product(*grid.values())]
+
+
+def flags_lanes(corpus: list[Series], config: DetectorConfig) -> dict[str, np.ndarray]:
+    """Flags of every series in one ``score_lanes`` call (each series one lane, whole)."""
+    v = np.concatenate([s.df["value"].to_numpy(dtype=float) for s in corpus])
+    t = np.concatenate([_epoch_seconds(s.df) for s in corpus])
+    offs = np.r_[0, np.cumsum([len(s.df) for s in corpus])]
+    f = score_lanes(v, t, offs, initial_rows(len(corpus), config), config)[2]
+    return {s.name: f[a:b] for s, a, b in zip(corpus, offs[:-1], offs[1:], strict=True)}
+
+
+def leave_one_category_out(corpus: list[Series], base: DetectorConfig,
+                           grid: dict[str, tuple] | None = None) -> dict:
+    """Each category scored with the grid config that is best on the *other* categories.
+
+    The held-out series' scores are pooled into one NAB corpus score. Also returns the pick on
+    the whole corpus (what the defaults should be) and the picks per held-out category.
+    """
+    configs = grid_configs(base, grid)
+    pers = []
+    for cfg in configs:
+        pers.append(score_corpus(corpus, flags_lanes(corpus, cfg))[1])
+    cats = sorted({category(s.name) for s in corpus})
+
+    def best(names: list[str]) -> int:
+        return max(range(len(configs)),
+                   key=lambda j: corpus_score([pers[j][n] for n in names]))
+
+    held: dict[str, SeriesScore] = {}
+    picks = {}
+    for c in cats:
+        j = best([s.name for s in corpus if category(s.name) != c])
+        picks[c] = _knobs(configs[j], grid)
+        held.update({s.name: pers[j][s.name] for s in corpus if category(s.name) == c})
+    j_all = best([s.name for s in corpus])
+    return {"score": corpus_score(list(held.values())), "per_category": per_category(held),
+            "picks": picks, "pick_all": _knobs(configs[j_all], grid),
+            "pick_all_score": corpus_score(list(pers[j_all].values())), "configs": len(configs)}
+
+
+def _knobs(cfg: DetectorConfig, grid: dict[str, tuple] | None = None) -> dict[str, float]:
+    return {k: getattr(cfg, k) for k in (LOCO_GRID if grid is None else grid)}
+
+
 def _fmt(s: SeriesScore) -> str:
     nz = s.normalized
     return (f"{'   n/a' if nz is None else f'{nz:6.1f}'} raw={s.raw:6.2f} "
@@ -268,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="spark: silver commits the corpus is written in (default: %(default)s)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also score one-knob perturbations of the default config")
+    ap.add_argument("--loco", action="store_true",
+                    help="leave-one-category-out: score each category with the best config of "
+                         f"a {len(grid_configs(DetectorConfig()))}-config grid on the others")
     ap.add_argument("--smoke", action="store_true",
                     help="a small run that checks the bench still works: the direct path, "
                          "no Spark (the Spark path is tests/test_anomaly.py's)")
@@ -308,15 +397,36 @@ def main(argv: list[str] | None = None) -> int:
     for s in corpus:
         print(f"{s.name:58s} {_fmt(per[s.name])} | {_fmt(b_per[s.name])}")
     print(f"{'TOTAL':58s} {score:6.2f} | {b_score:6.2f}")
+    cats = per_category(per)
+    b_cats = per_category(b_per)
+    for c, v in cats.items():
+        sc_c = "   n/a" if v["score"] is None else f"{v['score']:6.2f}"
+        b_c = "   n/a" if b_cats[c]["score"] is None else f"{b_cats[c]['score']:6.2f}"
+        print(f"  {c:56s} {sc_c} windows={v['detected']}/{v['windows']} "
+              f"fp={v['false_positives']:3d} | {b_c}")
     if args.via != "direct":
         print(f"direct (score_batch, CSV order): {d_score:.2f}; flags differing from direct: "
               f"{ {k: v for k, v in differing.items() if v} or 0}")
+    loco = leave_one_category_out(corpus, cfg) if args.loco else None
+    if loco is not None:
+        print(f"leave-one-category-out over {loco['configs']} configs: {loco['score']:.2f}; "
+              f"pick on all categories {loco['pick_all']} ({loco['pick_all_score']:.2f}), "
+              f"default {_knobs(cfg)}")
+        for c, v in loco["per_category"].items():
+            sc_c = "   n/a" if v["score"] is None else f"{v['score']:6.2f}"
+            print(f"  held out {c:47s} {sc_c} fp={v['false_positives']:3d} "
+                  f"with {loco['picks'][c]}")
     print(f"detector: {rate:,.0f} readings/s per CPU-second ({wall_rate:,.0f}/s wall clock), "
           f"whole series per call; bench pass {elapsed:.2f}s via {args.via}")
     result = {
         "score": round(score, 2),
+        "score_direct": round(d_score, 2),
+        "score_leave_one_category_out": None if loco is None else round(loco["score"], 2),
+        "per_category": {c: v["score"] for c, v in cats.items()},
+        "state_bytes_per_key": 8 * len(state_fields(cfg)),
         "baseline_score": round(b_score, 2),
         "ratio": round(score / b_score, 3) if b_score > 0 else None,
+        "per_category_detail": cats,
         "per_series": _series_json(per),
         "baseline_per_series": _series_json(b_per),
         "baseline_config": {"window": b_cfg.window, "z_threshold": b_cfg.z_threshold},
@@ -327,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         "flags_differing_from_direct": differing,
         "detect_s": round(elapsed, 1),
     }
+    if loco is not None:
+        result["loco"] = {k: v for k, v in loco.items() if k != "score"}
     if args.sensitivity:
         print("sensitivity (one knob at a time, default config otherwise):")
         result["sensitivity"] = sensitivity(corpus, cfg, args.batch)
