@@ -59,6 +59,10 @@ import numpy as np
 STATE_VERSION = 2.0
 
 
+#: ``model`` codes of ``score_lanes(..., explain=True)``: the view that explains a score.
+MODELS: tuple[str, ...] = ("none", "fast", "slow", "flat", "wide", "short", "long", "likelihood")
+
+
 @dataclass(frozen=True)
 class DetectorConfig:
     """One configuration for every device and metric (no per-series tuning)."""
@@ -96,6 +100,11 @@ class DetectorConfig:
     short_k: float = 3.5  # ... in wide standard deviations
     long_alpha: float = 0.02  # long-smoothed value (~50 readings) vs the wide mean ...
     long_k: float = 2.0  # ... in wide standard deviations
+    wide_season: float = 0.0  # weight of the time-of-day profile taken off before the wide view
+    lik_cap: float = 2.0  # likelihood view: the views' surprise, capped at lik_cap, ...
+    lik_short_alpha: float = 0.2  # ... averaged over ~5 readings, ...
+    lik_alpha: float = 1.0 / 3000  # ... against its own EWMA mean and variance ...
+    lik_k: float = 6.0  # ... flags lik_k standard deviations above its mean
 
     def __post_init__(self) -> None:
         problems = []
@@ -112,11 +121,11 @@ class DetectorConfig:
             problems.append("tail_quantile must be in (0, 1)")
         for name in ("level_alpha", "mid_alpha", "scale_alpha", "baseline_alpha", "slow_scale_alpha",
                      "season_alpha", "season_scale_alpha", "tail_rate", "wide_alpha", "short_alpha",
-                     "long_alpha"):
+                     "long_alpha", "lik_short_alpha", "lik_alpha"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 problems.append(f"{name} must be in (0, 1]")
         for name in ("k_fast", "k_slow", "huber_c", "flat_factor", "local_margin", "wide_k",
-                     "short_k", "long_k"):
+                     "short_k", "long_k", "lik_cap", "lik_k"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
         if problems:
@@ -141,6 +150,7 @@ _SCALARS: tuple[str, ...] = (
     "last_time",  # event time of the last reading (epoch s), informational
     "wide_mean", "wide_var",  # wide view: EWMA mean and variance of the raw value
     "short_mean", "long_mean",  # short- and long-smoothed value
+    "lik_short", "lik_mean", "lik_var",  # likelihood view: short mean of the surprise, its stats
 )
 _ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
 
@@ -186,6 +196,9 @@ class DetectorState:
     wide_var: float = 0.0
     short_mean: float = 0.0
     long_mean: float = 0.0
+    lik_short: float = 0.0
+    lik_mean: float = 0.0
+    lik_var: float = 0.0
     season: list[float] = field(default_factory=list)
     season_visits: list[float] = field(default_factory=list)
     bin_scale_fast: list[float] = field(default_factory=list)
@@ -238,12 +251,12 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
         cfg.slow_scale_alpha, cfg.season_period, cfg.season_alpha, cfg.season_scale_alpha,
         cfg.season_early_visits, cfg.huber_c, q_dn, q_up, cfg.shift_readings, cfg.accept_after,
         cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
-        cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k))
+        cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k, cfg.wide_season, cfg.lik_cap, cfg.lik_short_alpha, cfg.lik_alpha,
+        cfg.lik_k))
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
-                config: DetectorConfig | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                config: DetectorConfig | None = None, explain: bool = False) -> tuple[np.ndarray, ...]:
     """Score many independent (device, metric) lanes in one compiled call.
 
     ``values``/``times`` hold every lane's readings back to back, each lane in event-time order;
@@ -252,7 +265,8 @@ def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, stat
     is exactly :func:`score_batch`: one call per micro-batch instead of one per key is what
     makes per-key scoring cheap. Returns ``(scores, baselines, flags, n_before, new_states)``:
     ``n_before`` is the count of readings the lane had learnt before each reading; ``states``
-    is not modified.
+    is not modified. With ``explain``, also ``(model, low, high)`` per reading: which view was
+    the most surprised (:data:`MODELS`) and the range it expected (NaN for the flat-line view).
     """
     cfg = config or DetectorConfig()
     x = np.ascontiguousarray(values, dtype=np.float64).ravel()
@@ -270,7 +284,9 @@ def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, stat
                          f"({cfg.season_bins} season bins)")
     if np.any(st[:, 0] != STATE_VERSION):
         raise ValueError(f"state version is not {STATE_VERSION}")
-    scores, baselines, flags, n_before = _kernel(x, t, offs, st, k, _params(cfg))
+    scores, baselines, flags, n_before, model, low, high = _kernel(x, t, offs, st, k, _params(cfg))
+    if explain:
+        return scores, baselines, flags, n_before, st, model, low, high
     return scores, baselines, flags, n_before, st
 
 
@@ -315,13 +331,16 @@ def _kernel(xs, ts, offs, states, k, p):
     """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
      c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
-     a_w, k_w, a_sh, k_sh, a_lo, k_lo) = p
+     a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l) = p
     total = xs.size
     scores = np.zeros(total)
     base_out = np.full(total, np.nan)
+    lo_out = np.full(total, np.nan)
+    hi_out = np.full(total, np.nan)
+    model_out = np.zeros(total, dtype=np.int8)
     flags = np.zeros(total, dtype=np.bool_)
     n_out = np.zeros(total)
-    o_s = 22  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 22 scalars
+    o_s = 25  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 25 scalars
     o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
     for lane in range(offs.size - 1):
         row = states[lane]
@@ -336,6 +355,7 @@ def _kernel(xs, ts, offs, states, k, p):
         last_hot = -1
         t_last = row[17]
         w_m, w_v, sh_m, lo_m = row[18], row[19], row[20], row[21]
+        l_s, l_m, l_v = row[22], row[23], row[24]
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
@@ -363,7 +383,6 @@ def _kernel(xs, ts, offs, states, k, p):
                 n = 1.0
                 base_out[i] = xv
                 z = 0.0
-                which = 0
             else:
                 sbf = w0 * row[o_f + b0] + w1 * row[o_f + b1]
                 sbs = w0 * row[o_b + b0] + w1 * row[o_b + b1]
@@ -419,13 +438,13 @@ def _kernel(xs, ts, offs, states, k, p):
                 rs = mid - base_s
                 ars = abs(rs)
                 ss = sbs if sbs > fl_ else fl_
-                if rs >= 0.0:
-                    d_s = ks * (s_up if s_up > ss else ss)
-                else:
-                    d_s = ks * (s_dn if s_dn > ss else ss)
-                if slow_floor > d_s:
-                    d_s = slow_floor
-                zsl = ars / d_s
+                ds_up = ks * (s_up if s_up > ss else ss)
+                ds_dn = ks * (s_dn if s_dn > ss else ss)
+                if slow_floor > ds_up:
+                    ds_up = slow_floor
+                if slow_floor > ds_dn:
+                    ds_dn = slow_floor
+                zsl = ars / (ds_up if rs >= 0.0 else ds_dn)
 
                 # -- flat line
                 if xv == xl:
@@ -442,41 +461,61 @@ def _kernel(xs, ts, offs, states, k, p):
                     zfl = 0.0
 
                 # -- wide view: raw, short- and long-smoothed value vs a wide Gaussian
-                sh_m += (a_sh if a_sh > inv else inv) * (xv - sh_m)
-                lo_m += (a_lo if a_lo > inv else inv) * (xv - lo_m)
+                xw = xv - w_se * seas
+                sh_m += (a_sh if a_sh > inv else inv) * (xw - sh_m)
+                lo_m += (a_lo if a_lo > inv else inv) * (xw - lo_m)
                 sd_w = np.sqrt(w_v)
                 if sd_w < fl_:
                     sd_w = fl_
-                zw = abs(xv - w_m) / (k_w * sd_w)
+                zw = abs(xw - w_m) / (k_w * sd_w)
                 zsh = abs(sh_m - w_m) / (k_sh * sd_w)
                 zlo = abs(lo_m - w_m) / (k_lo * sd_w)
-                dw = xv - w_m
+                dw = xw - w_m
                 aw = a_w if a_w > inv else inv
                 w_m += aw * dw
                 w_v = (1.0 - aw) * (w_v + aw * dw * dw)
 
+                # the most surprised view explains the score: its code, expected value, range
                 z = zf * inv_margin
                 which = 1
-                base_out[i] = base_f
+                bo, lo, hi = base_f, base_f - d_dn / inv_margin, base_f + d_up / inv_margin
                 if zsl * inv_margin > z:
                     z = zsl * inv_margin
                     which = 2
-                    base_out[i] = base_s
+                    bo, lo, hi = base_s, base_s - ds_dn / inv_margin, base_s + ds_up / inv_margin
                 if zfl * inv_margin > z:
                     z = zfl * inv_margin
                     which = 3
+                wm0 = w_m - aw * dw + w_se * seas  # the wide mean before this reading
                 if zw > z:
                     z = zw
                     which = 4
-                    base_out[i] = w_m - aw * dw
+                    bo, lo, hi = wm0, wm0 - k_w * sd_w, wm0 + k_w * sd_w
                 if zsh > z:
                     z = zsh
                     which = 5
-                    base_out[i] = w_m - aw * dw
+                    bo, lo, hi = wm0, wm0 - k_sh * sd_w, wm0 + k_sh * sd_w
                 if zlo > z:
                     z = zlo
                     which = 6
-                    base_out[i] = w_m - aw * dw
+                    bo, lo, hi = wm0, wm0 - k_lo * sd_w, wm0 + k_lo * sd_w
+                # -- likelihood: is this much surprise unusual for this key lately?
+                l_s += (a_ls if a_ls > inv else inv) * ((z if z < l_cap else l_cap) - l_s)
+                sd_l = np.sqrt(l_v)
+                if sd_l < 1e-3:
+                    sd_l = 1e-3
+                zli = (l_s - l_m) / (k_l * sd_l)
+                dl = l_s - l_m
+                al = a_ll if a_ll > inv else inv
+                l_m += al * dl
+                l_v = (1.0 - al) * (l_v + al * dl * dl)
+                if zli > z:
+                    z = zli
+                    which = 7
+                base_out[i] = bo
+                lo_out[i] = lo
+                hi_out[i] = hi
+                model_out[i] = which
 
                 # -- learning: fast scales (frozen while fast says anomalous), tail quantiles
                 if not (learning and zf >= 1.0):
@@ -574,7 +613,8 @@ def _kernel(xs, ts, offs, states, k, p):
             row[15], row[16] = streak, sstreak
             row[17] = t_last
             row[18], row[19], row[20], row[21] = w_m, w_v, sh_m, lo_m
-    return scores, base_out, flags, n_out
+            row[22], row[23], row[24] = l_s, l_m, l_v
+    return scores, base_out, flags, n_out, model_out, lo_out, hi_out
 
 
 # --------------------------------------------------------------------------------------------
