@@ -95,7 +95,10 @@ class DetectorConfig:
     scale_floor: float = 1e-6  # relative floor of every scale: 1e-6 x (1 + |x|)
     local_margin: float = 2.5  # fast/slow/flat flag at local_margin x their own boundary
     wide_alpha: float = 1.0 / 3000  # wide view: EWMA mean/variance of the raw value
-    wide_k: float = 7.0  # raw reading vs the wide mean, in wide standard deviations
+    wide_k: float = 7.0  # raw reading vs the wide mean, in wide standard deviations, and ...
+    wide_tail_k: float = 1.5  # ... in units of a tracked tail quantile of |reading - wide mean|
+    wide_tail_quantile: float = 0.995
+    wide_tail_rate: float = 0.0005  # quantile tracker: relative decay per reading
     short_alpha: float = 0.2  # short-smoothed value (~5 readings) vs the wide mean ...
     short_k: float = 3.5  # ... in wide standard deviations
     long_alpha: float = 0.02  # long-smoothed value (~50 readings) vs the wide mean ...
@@ -117,15 +120,16 @@ class DetectorConfig:
             problems.append("season_bins must be >= 1")
         if self.season_period <= 0:
             problems.append("season_period must be > 0 seconds")
-        if not 0.0 < self.tail_quantile < 1.0:
-            problems.append("tail_quantile must be in (0, 1)")
+        for name in ("tail_quantile", "wide_tail_quantile"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                problems.append(f"{name} must be in (0, 1)")
         for name in ("level_alpha", "mid_alpha", "scale_alpha", "baseline_alpha", "slow_scale_alpha",
                      "season_alpha", "season_scale_alpha", "tail_rate", "wide_alpha", "short_alpha",
-                     "long_alpha", "lik_short_alpha", "lik_alpha"):
+                     "long_alpha", "lik_short_alpha", "lik_alpha", "wide_tail_rate"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 problems.append(f"{name} must be in (0, 1]")
         for name in ("k_fast", "k_slow", "huber_c", "flat_factor", "local_margin", "wide_k",
-                     "short_k", "long_k", "lik_cap", "lik_k"):
+                     "short_k", "long_k", "lik_cap", "lik_k", "wide_tail_k"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
         if problems:
@@ -151,6 +155,7 @@ _SCALARS: tuple[str, ...] = (
     "wide_mean", "wide_var",  # wide view: EWMA mean and variance of the raw value
     "short_mean", "long_mean",  # short- and long-smoothed value
     "lik_short", "lik_mean", "lik_var",  # likelihood view: short mean of the surprise, its stats
+    "wide_tail_up", "wide_tail_dn",  # wide view: tail quantiles of reading - wide mean
 )
 _ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
 
@@ -199,6 +204,8 @@ class DetectorState:
     lik_short: float = 0.0
     lik_mean: float = 0.0
     lik_var: float = 0.0
+    wide_tail_up: float = 0.0
+    wide_tail_dn: float = 0.0
     season: list[float] = field(default_factory=list)
     season_visits: list[float] = field(default_factory=list)
     bin_scale_fast: list[float] = field(default_factory=list)
@@ -245,6 +252,9 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
     """The configuration as the kernel's flat tuple of floats (derived constants included)."""
     q_dn = 1.0 - cfg.tail_rate
     q_up = 1.0 + cfg.tail_rate * (1.0 + cfg.tail_quantile) / (1.0 - cfg.tail_quantile)
+    wq = cfg.wide_tail_quantile
+    wq_dn = 1.0 - cfg.wide_tail_rate
+    wq_up = 1.0 + cfg.wide_tail_rate * (1.0 + wq) / (1.0 - wq)
     return tuple(float(v) for v in (
         cfg.threshold, cfg.cooldown, cfg.warmup, cfg.k_fast, cfg.k_slow, cfg.tail_factor,
         cfg.slow_floor, cfg.level_alpha, cfg.mid_alpha, cfg.scale_alpha, cfg.baseline_alpha,
@@ -252,7 +262,7 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
         cfg.season_early_visits, cfg.huber_c, q_dn, q_up, cfg.shift_readings, cfg.accept_after,
         cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
         cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k, cfg.wide_season, cfg.lik_cap, cfg.lik_short_alpha, cfg.lik_alpha,
-        cfg.lik_k))
+        cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up))
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
@@ -331,7 +341,7 @@ def _kernel(xs, ts, offs, states, k, p):
     """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
      c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
-     a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l) = p
+     a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l, k_t, wq_dn, wq_up) = p
     total = xs.size
     scores = np.zeros(total)
     base_out = np.full(total, np.nan)
@@ -340,7 +350,7 @@ def _kernel(xs, ts, offs, states, k, p):
     model_out = np.zeros(total, dtype=np.int8)
     flags = np.zeros(total, dtype=np.bool_)
     n_out = np.zeros(total)
-    o_s = 25  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 25 scalars
+    o_s = 27  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 27 scalars
     o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
     for lane in range(offs.size - 1):
         row = states[lane]
@@ -356,6 +366,7 @@ def _kernel(xs, ts, offs, states, k, p):
         t_last = row[17]
         w_m, w_v, sh_m, lo_m = row[18], row[19], row[20], row[21]
         l_s, l_m, l_v = row[22], row[23], row[24]
+        wt_up, wt_dn = row[25], row[26]
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
@@ -467,13 +478,32 @@ def _kernel(xs, ts, offs, states, k, p):
                 sd_w = np.sqrt(w_v)
                 if sd_w < fl_:
                     sd_w = fl_
-                zw = abs(xw - w_m) / (k_w * sd_w)
+                dw = xw - w_m
+                zw = abs(dw) / (k_w * sd_w)  # ungated: what the likelihood view counts
+                # gated: a deviation must also be unusual for this key's own tail (bursts)
+                w_up = k_w * sd_w
+                w_dn = w_up
+                if k_t * wt_up > w_up:
+                    w_up = k_t * wt_up
+                if k_t * wt_dn > w_dn:
+                    w_dn = k_t * wt_dn
+                if (wt_up if dw >= 0.0 else wt_dn) > 0.0:
+                    zwg = abs(dw) / (w_up if dw >= 0.0 else w_dn)
+                else:
+                    zwg = 0.0
                 zsh = abs(sh_m - w_m) / (k_sh * sd_w)
                 zlo = abs(lo_m - w_m) / (k_lo * sd_w)
-                dw = xw - w_m
                 aw = a_w if a_w > inv else inv
                 w_m += aw * dw
                 w_v = (1.0 - aw) * (w_v + aw * dw * dw)
+                if dw > wt_up:
+                    wt_up = (dw if dw < wt_up * wq_up else wt_up * wq_up) if wt_up > 0.0 else dw
+                else:
+                    wt_up *= wq_dn
+                if -dw > wt_dn:
+                    wt_dn = (-dw if -dw < wt_dn * wq_up else wt_dn * wq_up) if wt_dn > 0.0 else -dw
+                else:
+                    wt_dn *= wq_dn
 
                 # the most surprised view explains the score: its code, expected value, range
                 z = zf * inv_margin
@@ -487,10 +517,10 @@ def _kernel(xs, ts, offs, states, k, p):
                     z = zfl * inv_margin
                     which = 3
                 wm0 = w_m - aw * dw + w_se * seas  # the wide mean before this reading
-                if zw > z:
-                    z = zw
+                if zwg > z:
+                    z = zwg
                     which = 4
-                    bo, lo, hi = wm0, wm0 - k_w * sd_w, wm0 + k_w * sd_w
+                    bo, lo, hi = wm0, wm0 - w_dn, wm0 + w_up
                 if zsh > z:
                     z = zsh
                     which = 5
@@ -500,7 +530,8 @@ def _kernel(xs, ts, offs, states, k, p):
                     which = 6
                     bo, lo, hi = wm0, wm0 - k_lo * sd_w, wm0 + k_lo * sd_w
                 # -- likelihood: is this much surprise unusual for this key lately?
-                l_s += (a_ls if a_ls > inv else inv) * ((z if z < l_cap else l_cap) - l_s)
+                zin = z if z > zw else zw
+                l_s += (a_ls if a_ls > inv else inv) * ((zin if zin < l_cap else l_cap) - l_s)
                 sd_l = np.sqrt(l_v)
                 if sd_l < 1e-3:
                     sd_l = 1e-3
@@ -614,6 +645,7 @@ def _kernel(xs, ts, offs, states, k, p):
             row[17] = t_last
             row[18], row[19], row[20], row[21] = w_m, w_v, sh_m, lo_m
             row[22], row[23], row[24] = l_s, l_m, l_v
+            row[25], row[26] = wt_up, wt_dn
     return scores, base_out, flags, n_out, model_out, lo_out, hi_out
 
 
