@@ -248,8 +248,8 @@ def per_category(per: dict[str, SeriesScore]) -> dict[str, dict]:
 LOCO_GRID: dict[str, tuple] = {
     "local_margin": (2.0, 2.5, 3.0),
     "wide_k": (6.0, 7.0, 8.0),
-    "short_k": (3.0, 3.5, 4.0),
-    "long_k": (1.5, 2.0, 2.5),
+    "wide_tail_k": (1.25, 1.5, 2.0),
+    "lik_k": (5.0, 6.0, 7.0),
 }
 
 
