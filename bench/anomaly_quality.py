@@ -250,6 +250,7 @@ LOCO_GRID: dict[str, tuple] = {
     "wide_k": (6.0, 7.0, 8.0),
     "wide_tail_k": (1.25, 1.5, 2.0),
     "lik_k": (5.0, 6.0, 7.0),
+    "slow_margin": (1.5, 2.5),
 }
 
 

@@ -93,7 +93,9 @@ class DetectorConfig:
     flat_factor: float = 2.0  # ... and more than flat_factor x the longest recent run
     flat_decay: float = 0.999  # per-reading decay of the remembered longest run
     scale_floor: float = 1e-6  # relative floor of every scale: 1e-6 x (1 + |x|)
-    local_margin: float = 2.5  # fast/slow/flat flag at local_margin x their own boundary
+    local_margin: float = 2.5  # the fast model flags at local_margin x its own boundary, ...
+    slow_margin: float = 1.5  # ... the slow one at slow_margin x its own, ...
+    flat_margin: float = 2.5  # ... the flat-line one at flat_margin x its own
     wide_alpha: float = 1.0 / 3000  # wide view: EWMA mean/variance of the raw value
     wide_k: float = 7.0  # raw reading vs the wide mean, in wide standard deviations, and ...
     wide_tail_k: float = 1.5  # ... in units of a tracked tail quantile of |reading - wide mean|
@@ -128,7 +130,8 @@ class DetectorConfig:
                      "long_alpha", "lik_short_alpha", "lik_alpha", "wide_tail_rate"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 problems.append(f"{name} must be in (0, 1]")
-        for name in ("k_fast", "k_slow", "huber_c", "flat_factor", "local_margin", "wide_k",
+        for name in ("k_fast", "k_slow", "huber_c", "flat_factor", "local_margin", "slow_margin",
+                     "flat_margin", "wide_k",
                      "short_k", "long_k", "lik_cap", "lik_k", "wide_tail_k"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
@@ -261,6 +264,7 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
         cfg.slow_scale_alpha, cfg.season_period, cfg.season_alpha, cfg.season_scale_alpha,
         cfg.season_early_visits, cfg.huber_c, q_dn, q_up, cfg.shift_readings, cfg.accept_after,
         cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
+        1.0 / cfg.slow_margin, 1.0 / cfg.flat_margin,
         cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k, cfg.wide_season, cfg.lik_cap, cfg.lik_short_alpha, cfg.lik_alpha,
         cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up))
 
@@ -341,6 +345,7 @@ def _kernel(xs, ts, offs, states, k, p):
     """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
      c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
+     inv_ms, inv_mf,
      a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l, k_t, wq_dn, wq_up) = p
     total = xs.size
     scores = np.zeros(total)
@@ -509,12 +514,12 @@ def _kernel(xs, ts, offs, states, k, p):
                 z = zf * inv_margin
                 which = 1
                 bo, lo, hi = base_f, base_f - d_dn / inv_margin, base_f + d_up / inv_margin
-                if zsl * inv_margin > z:
-                    z = zsl * inv_margin
+                if zsl * inv_ms > z:
+                    z = zsl * inv_ms
                     which = 2
-                    bo, lo, hi = base_s, base_s - ds_dn / inv_margin, base_s + ds_up / inv_margin
-                if zfl * inv_margin > z:
-                    z = zfl * inv_margin
+                    bo, lo, hi = base_s, base_s - ds_dn / inv_ms, base_s + ds_up / inv_ms
+                if zfl * inv_mf > z:
+                    z = zfl * inv_mf
                     which = 3
                 wm0 = w_m - aw * dw + w_se * seas  # the wide mean before this reading
                 if zwg > z:
