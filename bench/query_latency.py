@@ -83,7 +83,9 @@ def build(settings: Settings, devices: int, days: int, now: datetime, seed: int 
         z[rng.random(len(dev)) < 0.001] = 8.0  # ~0.1% anomalies
         cols = {"event_id": np.char.add(ids[dev], f"-{k}"), "device_id": ids[dev],
                 "event_time": _ts(np.full(len(dev), t)), "metric": np.array(METRICS)[met],
-                "value": mu + sd * z, "score": np.abs(z), "baseline": mu, "is_anomaly": np.abs(z) > 4}
+                "value": mu + sd * z, "score": np.abs(z), "baseline": mu, "is_anomaly": np.abs(z) > 4,
+                "anomaly_model": np.full(len(dev), "wide"), "expected_low": mu - 4 * sd,
+                "expected_high": mu + 4 * sd}
         _write(settings, "readings_scored", cols)
         flagged = np.abs(z) > 4
         _write(settings, "anomalies", {c: (v[flagged] if isinstance(v, np.ndarray) else v.filter(pa.array(flagged)))

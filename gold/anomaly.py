@@ -223,6 +223,9 @@ class DetectorState:
     def from_row(cls, row: Sequence[float]) -> DetectorState:
         """Inverse of :meth:`to_row` (the number of bins follows from the row's length)."""
         row = [float(v) for v in row]
+        if row and row[0] == 1.0 and (len(row) - _V1_SCALARS) % len(_ARRAYS) == 0:
+            k1 = (len(row) - _V1_SCALARS) // len(_ARRAYS)
+            row = upgrade_rows([row], DetectorConfig(season_bins=k1))[0].tolist()
         ns = len(_SCALARS)
         if len(row) < ns or (len(row) - ns) % len(_ARRAYS):
             raise ValueError(f"state row of {len(row)} values does not match the layout")
@@ -243,6 +246,35 @@ def initial_state(config: DetectorConfig | None = None) -> DetectorState:
     k = (config or DetectorConfig()).season_bins
     return DetectorState(season=[0.0] * k, season_visits=[0.0] * k,
                          bin_scale_fast=[0.0] * k, bin_scale_slow=[0.0] * k)
+
+
+#: Scalars of state version 1 (the rest of ``_SCALARS`` were added in version 2).
+_V1_SCALARS = 18
+
+
+def upgrade_rows(rows: np.ndarray, config: DetectorConfig | None = None) -> np.ndarray:
+    """State rows of an older layout (version 1) as rows of this one, without re-warm-up.
+
+    The views added since start conservatively: the wide view from the level, fast scale and
+    time-of-day profile, the likelihood view with a wide variance (it calms down as it learns).
+    Rows already at this version pass through.
+    """
+    rows = np.array(rows, dtype=np.float64, ndmin=2)
+    k = (config or DetectorConfig()).season_bins
+    if rows.shape[1] == len(_SCALARS) + len(_ARRAYS) * k and np.all(rows[:, 0] == STATE_VERSION):
+        return rows
+    if rows.shape[1] != _V1_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 1.0):
+        raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1 nor "
+                         f"{STATE_VERSION} with {k} season bins")
+    season = rows[:, _V1_SCALARS:_V1_SCALARS + k]
+    level, f_up, f_dn, base = rows[:, 3], rows[:, 5], rows[:, 6], rows[:, 9]
+    wide_mean = base + season.mean(axis=1)
+    wide_var = (0.625 * (f_up + f_dn)) ** 2 + season.var(axis=1)
+    z = np.zeros(len(rows))
+    added = np.column_stack([wide_mean, wide_var, level, level, z, z, z + 1.0, z, z])
+    out = np.hstack([rows[:, :_V1_SCALARS], added, rows[:, _V1_SCALARS:]])
+    out[:, 0] = STATE_VERSION
+    return out
 
 
 def initial_rows(lanes: int, config: DetectorConfig | None = None) -> np.ndarray:

@@ -42,7 +42,14 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
-from gold.anomaly import DetectorConfig, initial_rows, score_lanes, state_fields
+from gold.anomaly import (
+    MODELS,
+    DetectorConfig,
+    initial_rows,
+    score_lanes,
+    state_fields,
+    upgrade_rows,
+)
 from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.streams import pool, query_id, trigger_kwargs
@@ -68,7 +75,8 @@ STATE_BUCKETS = 64
 def out_schema(metrics: tuple[str, ...]) -> str:
     return ", ".join([
         "kind string, device_id string, event_id string, event_time timestamp",
-        *(f"{m} double, {m}_score double, {m}_baseline double, {m}_anomaly boolean" for m in metrics),
+        *(f"{m} double, {m}_score double, {m}_baseline double, {m}_anomaly boolean, "
+          f"{m}_model double, {m}_low double, {m}_high double" for m in metrics),
         "status string, previous_status string, reason string, status_since timestamp, "
         "last_seen timestamp, anomaly_score double",
     ])
@@ -165,7 +173,8 @@ def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
                                  null_count=int((~present).sum()))
 
 
-def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS) -> Bucket:
+def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS,
+                 cfg: DetectorConfig | None = None) -> Bucket:
     """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
     t = pa.ipc.open_stream(base64.b64decode(blob)).read_all()
     n, k = t.num_rows, len(metrics)
@@ -177,8 +186,11 @@ def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS) 
         values[:, i] = t.column(m).to_numpy(zero_copy_only=False)
         col = t.column(f"det_{m}")
         det_set[i] = pc.is_valid(col).to_numpy(zero_copy_only=False)
-        packed = b"".join(col.drop_null().to_pylist())
-        dets[i, det_set[i]] = np.frombuffer(packed, dtype=np.float64).reshape(-1, state_len)
+        packed = np.frombuffer(b"".join(col.drop_null().to_pylist()), dtype=np.float64)
+        if packed.size:
+            rows = packed.reshape(int(det_set[i].sum()), -1)
+            # a state written by an older detector version continues (no re-warm-up)
+            dets[i, det_set[i]] = rows if rows.shape[1] == state_len else upgrade_rows(rows, cfg)
 
     def ints(name: str) -> np.ndarray:
         return t.column(name).fill_null(_NONE).to_numpy().copy()  # writable
@@ -276,7 +288,7 @@ def health_fn(gold: GoldSettings, model: TelemetryModel | None = None):
     out_types = dict(c.split() for c in out_schema(metrics).split(", "))
 
     def fn(key: tuple, pdfs: Iterator[pd.DataFrame], state: GroupState) -> Iterator[pd.DataFrame]:
-        devs = (load_devices(state.get[0], state_len, metrics) if state.exists
+        devs = (load_devices(state.get[0], state_len, metrics, cfg) if state.exists
                 else Bucket.empty(state_len, len(metrics)))
         out = Rows(out_types)
         touched = np.zeros(0, dtype=np.int64)
@@ -346,9 +358,11 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     present = ~np.isnan(vals)
     rows = np.where(devs.det_set[:, pos, None], devs.dets[:, pos], _initial_det(cfg))
     offsets = np.r_[(starts + n * np.arange(k)[:, None]).ravel(), k * n]
-    s, bl, f, nb, new_rows = score_lanes(vals.ravel(), np.tile(t_sec, k), offsets,
-                                         rows.reshape(k * n_dev, -1), cfg)
+    s, bl, f, nb, new_rows, mdl, low, high = score_lanes(
+        vals.ravel(), np.tile(t_sec, k), offsets, rows.reshape(k * n_dev, -1), cfg, explain=True)
     scores, base, flags = s.reshape(k, n), bl.reshape(k, n), f.reshape(k, n)
+    model = np.where(mdl > 0, mdl, np.nan).reshape(k, n)  # 0: no model yet (first reading)
+    low, high = low.reshape(k, n), high.reshape(k, n)
     # a metric without readings keeps its state (and a never-seen one stays unset)
     seen = np.add.reduceat(present, starts, axis=1) > 0
     new_rows = new_rows.reshape(k, n_dev, -1)
@@ -365,7 +379,8 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
             event_id=pdf["event_id"].to_numpy(dtype=object)[order][idx], event_time=t_ns[idx],
             **{c: v for i, m in enumerate(metrics) for c, v in (
                 (m, vals[i, idx]), (f"{m}_score", scores[i, idx]), (f"{m}_baseline", base[i, idx]),
-                (f"{m}_anomaly", flags[i, idx]))})
+                (f"{m}_anomaly", flags[i, idx]), (f"{m}_model", model[i, idx]),
+                (f"{m}_low", low[i, idx]), (f"{m}_high", high[i, idx]))})
 
     with np.errstate(invalid="ignore"):  # NaN (no value) fires no rule
         rv = vals[rules.rule_metric]  # [rules, n]
@@ -495,10 +510,15 @@ class HealthBatch:
 
 def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:
     """Unpivot the state function's reading rows: one row per present metric."""
+    names = F.array(*[F.lit(name) for name in MODELS])
     per_metric = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).alias("value"),
                                     F.col(f"{m}_score").alias("score"),
                                     F.col(f"{m}_baseline").alias("baseline"),
-                                    F.col(f"{m}_anomaly").alias("is_anomaly")) for m in metrics])
+                                    F.col(f"{m}_anomaly").alias("is_anomaly"),
+                                    F.element_at(names, F.col(f"{m}_model").cast("int") + 1)
+                                    .alias("anomaly_model"),
+                                    F.col(f"{m}_low").alias("expected_low"),
+                                    F.col(f"{m}_high").alias("expected_high")) for m in metrics])
     return (readings.select("event_id", "device_id", "event_time", F.explode(per_metric).alias("r"))
             .select("event_id", "device_id", "event_time", "r.*")
             .where(F.col("value").isNotNull()))
@@ -513,6 +533,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
                          ("device_status_history", DEVICE_STATUS_HISTORY),
                          ("device_current", current)):
         ensure_named_table(spark, settings, name, schema)
+    for name, schema in (("readings_scored", READINGS_SCORED), ("anomalies", ANOMALIES)):
+        add_missing_columns(spark, settings.table_path(name), schema)  # tables of older versions
     current_path = settings.table_path("device_current")
     current_columns = add_missing_columns(spark, current_path, current)  # a gold metric added
     writer = (

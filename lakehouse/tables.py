@@ -79,6 +79,9 @@ READINGS_SCORED = pa.schema([
     ("event_id", pa.string()), ("device_id", pa.string()), ("event_time", TS),
     ("metric", pa.string()), ("value", pa.float64()), ("score", pa.float64()),
     ("baseline", pa.float64()), ("is_anomaly", pa.bool_()),
+    # why: the detector's view that explains the score (gold.anomaly.MODELS) and the range it
+    # expected (null before the detector's second reading, and for a flat line)
+    ("anomaly_model", pa.string()), ("expected_low", pa.float64()), ("expected_high", pa.float64()),
 ])
 
 ANOMALIES = READINGS_SCORED

@@ -226,3 +226,51 @@ def test_nab_scoring_null_and_perfect() -> None:
     probation[100] = True  # inside the probationary 15%: ignored
     assert score_series(ts, probation, windows).raw == perfect.raw
     assert math.isclose(corpus_score([null, perfect]), 50.0)
+
+
+def test_explain_names_the_view_and_its_expected_range() -> None:
+    """score_lanes(explain=True): the view behind each score, and the range it expected."""
+    from gold.anomaly import MODELS
+
+    x, t, _ = synthetic(0)
+    cfg = DetectorConfig()
+    s, bl, f, _, _, model, low, high = score_lanes(x, t, [0, N], initial_rows(1, cfg), cfg,
+                                                   explain=True)
+    np.testing.assert_array_equal(s, score_batch(x, t, None, cfg)[0])
+    assert model[0] == 0 and np.all(model[1:] > 0) and model.max() < len(MODELS)
+    for i in np.flatnonzero(f):
+        name = MODELS[model[i]]
+        if name in ("fast", "wide"):  # views of the reading itself: it lies outside the range
+            assert not low[i] <= x[i] <= high[i], (i, name, low[i], x[i], high[i])
+        if name != "flat":
+            assert low[i] <= bl[i] <= high[i], (i, name)
+    assert MODELS[model[900]] in ("fast", "wide") and x[900] > high[900]
+    assert MODELS[model[1500]] in ("fast", "wide") and x[1500] < low[1500]
+
+
+def test_version_1_state_continues_without_warm_up() -> None:
+    """A state row of the previous layout is upgraded: no re-warm-up, no burst of flags."""
+    from gold.anomaly import _V1_SCALARS, upgrade_rows
+
+    rng = np.random.default_rng(3)
+    n = 6000
+    t = T0 + 300.0 * np.arange(n)
+    x = 50.0 + 5.0 * np.sin(2 * np.pi * t / 86400) + rng.normal(0.0, 1.0, n)
+    x[5000] += 30.0
+    cfg = DetectorConfig()
+    _, _, _, st = score_batch(x[:4000], t[:4000], None, cfg)
+    row = np.asarray(st.to_row())
+    v1 = np.r_[1.0, row[1:_V1_SCALARS], row[len(initial_state().to_row()) - 4 * cfg.season_bins:]]
+    assert v1.size == _V1_SCALARS + 4 * cfg.season_bins
+    up = upgrade_rows(v1[None, :], cfg)
+    assert up.shape == (1, len(STATE_FIELDS)) and up[0, 0] == row[0]
+    assert DetectorState.from_row(v1.tolist()).to_row() == tuple(up[0])
+    _, _, f, nb, _ = score_lanes(x[4000:], t[4000:], [0, n - 4000], up, cfg)
+    assert nb[0] == 4000  # the count carries on: flags are possible at once
+    assert np.flatnonzero(f).tolist() == [1000]  # the spike, and nothing from the upgrade
+    np.testing.assert_array_equal(upgrade_rows(up, cfg), up)  # current rows pass through
+    with pytest.raises(ValueError, match="neither"):
+        upgrade_rows(v1[None, :-1], cfg)
+    # the same as the state kept at version 2, but for the views the upgrade had to guess
+    np.testing.assert_array_equal(f, score_lanes(x[4000:], t[4000:], [0, n - 4000],
+                                                 row[None, :], cfg)[2])

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: bench -> keys its last line must have
 SUBPROCESS = {
-    "anomaly_quality": ("score", "baseline_score", "readings_per_s"),
+    "anomaly_quality": ("score", "score_direct", "score_leave_one_category_out", "per_category",
+                        "state_bytes_per_key", "ratio", "baseline_score", "readings_per_s"),
     "bridge_throughput": (),
     "e2e_latency": ("cores_50", "silver_p50_s_50", "silver_p99_s_50", "current_p99_s_50", "achieved_50"),
     "jvm_startup": (),
