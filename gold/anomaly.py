@@ -6,7 +6,9 @@ that flattens to a tuple of floats (a Spark state struct), so ``score_batch`` ca
 state is updated reading by reading in event-time order, so scoring a series in one call or in
 any split into chunks gives bit-identical results.
 
-Method: an ensemble (max) of three normalised surprises, each >= 1 meaning "anomalous":
+Method: an ensemble (max) of normalised surprises, each >= 1 meaning "anomalous". Local views
+(robust, per time of day) know this key's recent shape; wide views know how far it may roam;
+the likelihood view knows how surprised it usually is. One view alone misses what another sees.
 
 - **fast** (spikes, dips, sudden level shifts): the reading against a robust EWMA level ``L``
   (Huber-clipped updates), divided by the larger of ``k_fast`` x a robust scale and
@@ -18,26 +20,41 @@ Method: an ensemble (max) of three normalised surprises, each >= 1 meaning "anom
   reported once, then it is the new normal.
 - **slow** (drifts, contextual / seasonal anomalies): a smoother robust level ``M`` against a slow
   baseline plus a time-of-day profile (``season_bins`` bins over ``season_period`` seconds,
-  linearly interpolated), in units of its own robust scale (global and per bin). This catches a
-  gradual slide that the fast model follows, and a value that is ordinary in itself but wrong
-  for the time of day (a missing daily peak, a plateau at the wrong hour). Its threshold is
-  floored at a fraction of the fast model's, so noise in a spiky series's level is not a drift.
+  linearly interpolated), in units of its own robust scale (global and per bin): a gradual
+  slide the fast model follows, a value ordinary in itself but wrong for the time of day.
 - **flat-line**: a run of identical readings longer than ``flat_min_run`` and twice the longest
   run seen recently (learnt, so series that idle at exactly 0 are not flagged), in a series
   that normally moves.
+- **wide**: the reading against an EWMA mean and variance with a long memory (``wide_alpha``,
+  ~3000 readings), beyond ``wide_k`` standard deviations *and* ``wide_tail_k`` x a tracked
+  99.5% quantile of its own deviations, so a bursty series (tweet volumes) must beat its own
+  bursts. The robust local views adapt to a slow change; this one does not.
+- **short / long** (multi-scale): the reading averaged over ~5 (``short_alpha``) and ~50
+  (``long_alpha``) readings against the same wide mean, in wide standard deviations: a
+  sustained shift too small for any single reading to stand out.
+- **likelihood** (as in HTM's anomaly likelihood): the views' surprise (the wide one ungated,
+  capped at ``lik_cap``) averaged over ~5 readings, against its own long EWMA mean and
+  variance: ``lik_k`` standard deviations above its usual level flags. A series that is never
+  surprised gets sensitive; one that always is, does not.
 
-Scales of a model stop learning while that model says "anomalous" (so a long anomaly does not
-teach itself to be normal), except the per-bin ones (so what recurs daily becomes normal). A
-slow deviation that lasts ``accept_after`` readings (net) becomes the new normal.
+The local views flag at ``local_margin`` / ``slow_margin`` / ``flat_margin`` x their own
+boundaries (the wide views do most of the flagging). Scales of a local model stop learning
+while it says "anomalous" (so a long anomaly does not teach itself to be normal), except the
+per-bin ones (so what recurs daily becomes normal). A slow deviation that lasts
+``accept_after`` readings (net) becomes the new normal.
 ``score = z^2 / (1 + z^2)`` with ``z`` the largest surprise: 0.5 at the detection boundary.
 A flag needs ``score >= threshold`` and ``cooldown`` readings below the threshold before it:
 one flag per anomalous episode, which keeps detections sparse (NAB charges every false one).
-The price: while an episode lasts (at most ~``accept_after`` readings for a level change) a
-second, different anomaly on the same key is not flagged, though its score is still reported.
+The price: while an episode lasts a second, different anomaly on the same key is not flagged,
+though its score is still reported. ``score_lanes(..., explain=True)`` also says which view
+explains each score (:data:`MODELS`) and the range that view expected.
 
-Why this method, the evidence for it and its known misses: docs/anomaly.md.
+Why this method, how the defaults were chosen (a leave-one-category-out check on NAB), the
+figures and the known misses: docs/anomaly.md.
 
-State: 18 scalars + 4 x ``season_bins`` floats (210 doubles with the defaults).
+State: 27 scalars + 4 x ``season_bins`` floats (219 doubles, 1,752 bytes per key with the
+defaults). Version-1 rows (before the wide and likelihood views) upgrade in place
+(:func:`upgrade_rows`), without a new warm-up.
 
 The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,
 then ~0.25 s to load per process); :func:`score_lanes` runs it over many keys in one call, as
