@@ -46,7 +46,8 @@ per-bin ones (so what recurs daily becomes normal). A slow deviation that lasts
 A flag needs ``score >= threshold`` and ``cooldown`` readings below the threshold before it:
 one flag per anomalous episode, which keeps detections sparse (NAB charges every false one).
 The price: while an episode lasts a second, different anomaly on the same key is not flagged,
-though its score is still reported. ``score_lanes(..., explain=True)`` also says which view
+though its score is still reported; a lasting level shift of many standard deviations stays
+one episode until the wide mean has moved to it (~550 readings for 10 sigma). ``score_lanes(..., explain=True)`` also says which view
 explains each score (:data:`MODELS`) and the range that view expected.
 
 Why this method, how the defaults were chosen (a leave-one-category-out check on NAB), the
@@ -122,7 +123,7 @@ class DetectorConfig:
     short_k: float = 3.5  # ... in wide standard deviations
     long_alpha: float = 0.02  # long-smoothed value (~50 readings) vs the wide mean ...
     long_k: float = 2.0  # ... in wide standard deviations
-    wide_season: float = 0.0  # weight of the time-of-day profile taken off before the wide view
+    wide_season: float = 0.0  # weight of the time-of-day profile taken off before the wide views
     lik_cap: float = 2.0  # likelihood view: the views' surprise, capped at lik_cap, ...
     lik_short_alpha: float = 0.2  # ... averaged over ~5 readings, ...
     lik_alpha: float = 1.0 / 3000  # ... against its own EWMA mean and variance ...
@@ -283,12 +284,14 @@ def upgrade_rows(rows: np.ndarray, config: DetectorConfig | None = None) -> np.n
     if rows.shape[1] != _V1_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 1.0):
         raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1 nor "
                          f"{STATE_VERSION} with {k} season bins")
+    cfg = config or DetectorConfig()
     season = rows[:, _V1_SCALARS:_V1_SCALARS + k]
-    level, f_up, f_dn, base = rows[:, 3], rows[:, 5], rows[:, 6], rows[:, 9]
-    wide_mean = base + season.mean(axis=1)
-    wide_var = (0.625 * (f_up + f_dn)) ** 2 + season.var(axis=1)
+    f_up, f_dn, base = rows[:, 5], rows[:, 6], rows[:, 9]
+    kept = 1.0 - cfg.wide_season  # the share of the daily profile the wide views see
+    wide_mean = base + kept * season.mean(axis=1)
+    wide_var = (0.625 * (f_up + f_dn)) ** 2 + kept ** 2 * season.var(axis=1)
     z = np.zeros(len(rows))
-    added = np.column_stack([wide_mean, wide_var, level, level, z, z, z + 1.0, z, z])
+    added = np.column_stack([wide_mean, wide_var, wide_mean, wide_mean, z, z, z + 1.0, z, z])
     out = np.hstack([rows[:, :_V1_SCALARS], added, rows[:, _V1_SCALARS:]])
     out[:, 0] = STATE_VERSION
     return out

@@ -30,7 +30,7 @@ T0 = 1_700_000_000.0  # epoch seconds
 STEP = 60.0
 SPIKES = {900: +12.0, 1500: -12.0}
 SHIFT_AT, SHIFT = 2100, +10.0
-FLAT_FROM, FLAT_LEN = 2700, 60
+FLAT_FROM, FLAT_LEN = 2900, 60  # after the level shift's episode (~550 readings, wide views)
 N = 3300
 
 
