@@ -47,8 +47,9 @@ A flag needs ``score >= threshold`` and ``cooldown`` readings below the threshol
 one flag per anomalous episode, which keeps detections sparse (NAB charges every false one).
 The price: while an episode lasts a second, different anomaly on the same key is not flagged,
 though its score is still reported; a lasting level shift of many standard deviations stays
-one episode until the wide mean has moved to it (~550 readings for 10 sigma). ``score_lanes(..., explain=True)`` also says which view
-explains each score (:data:`MODELS`) and the range that view expected.
+one episode until the wide mean has moved to it (~550 readings for 10 sigma).
+``score_lanes(..., explain=True)`` also says which view explains each score (:data:`MODELS`)
+and the range that view expected.
 
 Why this method, how the defaults were chosen (a leave-one-category-out check on NAB), the
 figures and the known misses: docs/anomaly.md.
