@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.nab_scoring import SeriesScore, corpus_score, score_series  # noqa: E402
 from gold.anomaly import (  # noqa: E402
+    MODELS,
     DetectorConfig,
     WindowedGaussianBaseline,
     WindowedGaussianConfig,
@@ -170,12 +171,14 @@ def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Nam
         if q.exception():
             raise RuntimeError(f"gold_health failed: {q.exception()}")
         got = DeltaTable(settings.table_path("readings_scored")).to_pandas(
-            columns=["event_id", "metric", "is_anomaly"])
+            columns=["event_id", "metric", "value", "is_anomaly", "anomaly_model", "expected_low",
+                     "expected_high"])
     finally:
         if spark is not None:
             spark.stop()
         shutil.rmtree(root, ignore_errors=True)
     got = got[got["metric"] == "temperature"]
+    args.flagged_by_model = flagged_by_model(got[got["is_anomaly"]])
     ids = got["event_id"].str.split("-", expand=True).astype(int)
     out = {}
     for j, s in enumerate(corpus):
@@ -186,6 +189,31 @@ def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Nam
         out[s.name] = np.zeros(len(s.df), dtype=bool)
         out[s.name][ids.loc[mine, 1].to_numpy()] = got.loc[mine, "is_anomaly"].to_numpy(dtype=bool)
     return out
+
+
+def flagged_by_model(flagged: pd.DataFrame) -> dict[str, int]:
+    """Flagged readings by the view that explains them; checks the explanation holds up: a
+    model is named, and a reading flagged by a view of the reading itself (fast, wide) lies
+    outside the range it expected."""
+    if flagged["anomaly_model"].isna().any():
+        raise AssertionError("a flagged reading without anomaly_model")
+    own = flagged[flagged["anomaly_model"].isin(["fast", "wide"])]
+    inside = (own["value"] >= own["expected_low"]) & (own["value"] <= own["expected_high"])
+    if inside.any():
+        raise AssertionError(f"{int(inside.sum())} fast/wide flags inside their expected range")
+    return {str(k): int(v) for k, v in flagged["anomaly_model"].value_counts().sort_index().items()}
+
+
+def explain_direct(corpus: list[Series], config: DetectorConfig) -> dict[str, int]:
+    """:func:`flagged_by_model` of ``score_lanes(..., explain=True)`` over the corpus."""
+    v = np.concatenate([s.df["value"].to_numpy(dtype=float) for s in corpus])
+    t = np.concatenate([_epoch_seconds(s.df) for s in corpus])
+    offs = np.r_[0, np.cumsum([len(s.df) for s in corpus])]
+    _, _, f, _, _, model, low, high = score_lanes(v, t, offs, initial_rows(len(corpus), config),
+                                                  config, explain=True)
+    return flagged_by_model(pd.DataFrame({
+        "value": v[f], "anomaly_model": np.asarray(MODELS, dtype=object)[model[f]],
+        "expected_low": low[f], "expected_high": high[f]}))
 
 
 #: Implementations of the detection step, by ``--via``.
@@ -457,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{ {k: v for k, v in differing.items() if v} or 0}")
     # the smoke run checks the procedure on a 2-config grid
     smoke_grid = {"local_margin": (cfg.local_margin, cfg.local_margin + 0.5)}
+    by_model = explain_direct(corpus, cfg)  # the direct path (whole series per lane)
+    if args.via != "direct" and getattr(args, "flagged_by_model", by_model) != by_model:
+        raise AssertionError(f"flags by model: {args.flagged_by_model} via {args.via}, "
+                             f"{by_model} direct")
+    print(f"flagged readings by the view that explains them: {by_model}")
     loco = (leave_one_category_out(corpus, cfg, smoke_grid if args.smoke else None)
             if args.loco else None)
     if loco is not None:
@@ -487,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_config": {"window": b_cfg.window, "z_threshold": b_cfg.z_threshold},
         "readings_per_s": round(rate),
         "kernel_rows_per_s_10k_keys": round(lanes_per_s),
+        "flagged_by_model": by_model,
         "via": args.via,
         "direct_score": round(d_score, 2),
         "direct_per_series": _series_json(d_per),
