@@ -8,7 +8,6 @@ committed; answers are memoised per table version, so a refreshing page costs a 
 from __future__ import annotations
 
 import hmac
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +31,8 @@ from lakehouse.delta_read import arrow_dataset, table_exists
 from lakehouse.settings import Settings
 
 STATIC = Path(__file__).parent / "static"
+PIPELINE_COLUMNS = ("query_name", "batch_id", "timestamp", "input_rows_per_second",
+                    "processed_rows_per_second", "batch_duration_ms", "num_input_rows", "lag")
 MAX_POINTS = 1500  # raw points per metric sent to the browser (anomalies are always kept)
 
 
@@ -258,7 +259,10 @@ class Lake:
     def _pipeline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"queries": [], "quality": []}
         if (pm := self.tables.get("pipeline_metrics")) is not None and (hi := pm.max_of("timestamp")):
-            recent = pm.dataset.to_table(filter=pc.field("timestamp") >= hi - timedelta(minutes=15))
+            # not progress_json: megabytes per 15 minutes, and the writer already took `lag` from it
+            cols = [c for c in PIPELINE_COLUMNS if c in pm.dataset.schema.names]
+            recent = pm.dataset.to_table(columns=cols,
+                                         filter=pc.field("timestamp") >= hi - timedelta(minutes=15))
             out["queries"] = records(self.sql("""
                 SELECT query_name, arg_max(batch_id, timestamp) AS batch_id,
                        max(timestamp) AS last_batch_at,
@@ -267,10 +271,8 @@ class Lake:
                        arg_max(batch_duration_ms, timestamp) AS batch_duration_ms,
                        round(avg(batch_duration_ms)) AS avg_batch_duration_ms,
                        arg_max(num_input_rows, timestamp) AS num_input_rows,
-                       arg_max(progress_json, timestamp) AS progress_json
+                       arg_max(lag, timestamp) AS lag
                 FROM recent GROUP BY query_name ORDER BY query_name""", recent=recent))
-            for q in out["queries"]:
-                q["lag"] = _lag(q.pop("progress_json"))
         if (ql := self.tables.get("quality_log")) is not None and (hi := ql.max_of("logged_at")):
             since = hi - timedelta(hours=24)
             out["quality"] = records(self.sql(f"""
@@ -280,17 +282,6 @@ class Lake:
                 GROUP BY expectation ORDER BY quarantine_rate DESC, expectation""", ql=ql.dataset))
             out["quality_window_hours"] = 24
         return out
-
-
-def _lag(progress_json: str | None) -> int | None:
-    """Offsets behind the latest Kafka offset, when the source reported it in its progress."""
-    try:
-        sources = json.loads(progress_json or "{}").get("sources") or []
-        lags = [float(s["metrics"]["maxOffsetsBehindLatest"]) for s in sources
-                if "maxOffsetsBehindLatest" in (s.get("metrics") or {})]
-    except (ValueError, TypeError, AttributeError, KeyError):
-        return None
-    return int(sum(lags)) if lags else None
 
 
 def create_app(settings: Settings, token: str | None = None, check_every: float = 1.0) -> FastAPI:

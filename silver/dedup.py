@@ -4,15 +4,17 @@ Spark's ``dropDuplicatesWithinWatermark`` scans its whole state store on every m
 evict expired keys (``numRowsReadDuringEviction`` = every state row; Spark 4.3's incremental
 cleanup does not cover it). At 5,000 events/s with a 600 s watermark that is ~3M keys read per
 batch, seconds of CPU, however few rows the batch holds. This index gives the same answer
-(first occurrence of a key wins while ``event time + watermark delay`` has not passed the
+(first occurrence of a key wins while its expiry, ``event time + delay_ms``, has not passed the
 watermark) at a cost proportional to the batch: a hash set for membership, and keys bucketed by
-expiry second so eviction touches only what expires.
+expiry second so eviction touches only what expires. Silver passes ``delay_ms = 0``: it
+quarantines rows at or before the watermark as late before asking the index.
 
 Durability mirrors a state store changelog: before batch N's Delta commits, the keys it adds
 are written to ``<checkpoint>/dedup/N.arrow``. After a restart the index is rebuilt from the
 files of batches < N and entries already expired; a replayed batch N rewrites its own file.
-Memory is ~150 bytes per live key (3M keys ~ 450 MB of driver memory); ``stream.dedup =
-"state_store"`` keeps Spark's operator for volumes a driver should not hold.
+Memory is ~150 bytes per live key: rate x (watermark delay + the stream's lag) keys, 3M
+(~450 MB of driver memory) at 5,000 events/s and 600 s; ``stream.dedup = "state_store"`` keeps
+Spark's operator for volumes a driver should not hold.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
                          ("state_rows", 100 * qi), ("state_memory_bytes", 1024 * qi),
                          ("rows_dropped_by_watermark", 0), ("duplicates_dropped", b % 2),
                          ("watermark", (now - timedelta(minutes=10)).isoformat()),
-                         ("lag", (b % 3) * 4),
+                         ("lag", 5 * qi + b),
                          ("progress_json", json.dumps(progress))):
                 pm[f].append(v)
     write(settings, "pipeline_metrics", pm)

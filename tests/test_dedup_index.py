@@ -68,3 +68,13 @@ def test_a_checkpoint_keeps_its_dedup_mode(tmp_path):
     with pytest.raises(ValueError, match="'state_store', not 'index'"):
         pin_dedup_mode(str(legacy), "index")
     pin_dedup_mode(str(legacy), "state_store")
+
+
+def test_without_delay_a_key_lives_until_the_watermark_reaches_its_event_time(tmp_path):
+    """Silver's setting: a copy at or before the watermark is late (quarantined before the index
+    is asked), so the index need not remember its key any longer."""
+    ix = DedupIndex(str(tmp_path), delay_ms=0)
+    batch(ix, 0, [("a", 10 * S), ("b", 20 * S)], wm=0)
+    assert batch(ix, 1, [("a", 11 * S), ("b", 21 * S)], wm=10 * S - 1) == [False, False]
+    assert batch(ix, 2, [("c", 30 * S)], wm=10 * S) == [True]
+    assert sorted(ix._expiry) == ["b", "c"]
