@@ -204,11 +204,16 @@ def flagged_by_model(flagged: pd.DataFrame) -> dict[str, int]:
     return {str(k): int(v) for k, v in flagged["anomaly_model"].value_counts().sort_index().items()}
 
 
-def explain_direct(corpus: list[Series], config: DetectorConfig) -> dict[str, int]:
-    """:func:`flagged_by_model` of ``score_lanes(..., explain=True)`` over the corpus."""
+def _lanes(corpus: list[Series]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The corpus as ``score_lanes`` input: values, epoch seconds, lane offsets (a series a lane)."""
     v = np.concatenate([s.df["value"].to_numpy(dtype=float) for s in corpus])
     t = np.concatenate([_epoch_seconds(s.df) for s in corpus])
-    offs = np.r_[0, np.cumsum([len(s.df) for s in corpus])]
+    return v, t, np.r_[0, np.cumsum([len(s.df) for s in corpus])]
+
+
+def explain_direct(corpus: list[Series], config: DetectorConfig) -> dict[str, int]:
+    """:func:`flagged_by_model` of ``score_lanes(..., explain=True)`` over the corpus."""
+    v, t, offs = _lanes(corpus)
     _, _, f, _, _, model, low, high = score_lanes(v, t, offs, initial_rows(len(corpus), config),
                                                   config, explain=True)
     return flagged_by_model(pd.DataFrame({
@@ -294,9 +299,7 @@ def grid_configs(base: DetectorConfig, grid: dict[str, tuple] | None = None
 
 def flags_lanes(corpus: list[Series], config: DetectorConfig) -> dict[str, np.ndarray]:
     """Flags of every series in one ``score_lanes`` call (each series one lane, whole)."""
-    v = np.concatenate([s.df["value"].to_numpy(dtype=float) for s in corpus])
-    t = np.concatenate([_epoch_seconds(s.df) for s in corpus])
-    offs = np.r_[0, np.cumsum([len(s.df) for s in corpus])]
+    v, t, offs = _lanes(corpus)
     f = score_lanes(v, t, offs, initial_rows(len(corpus), config), config)[2]
     return {s.name: f[a:b] for s, a, b in zip(corpus, offs[:-1], offs[1:], strict=True)}
 

@@ -260,8 +260,7 @@ class Lake:
         out: dict[str, Any] = {"queries": [], "quality": []}
         if (pm := self.tables.get("pipeline_metrics")) is not None and (hi := pm.max_of("timestamp")):
             # not progress_json: megabytes per 15 minutes, and the writer already took `lag` from it
-            cols = [c for c in PIPELINE_COLUMNS if c in pm.dataset.schema.names]
-            recent = pm.dataset.to_table(columns=cols,
+            recent = pm.dataset.to_table(columns=list(PIPELINE_COLUMNS),
                                          filter=pc.field("timestamp") >= hi - timedelta(minutes=15))
             out["queries"] = records(self.sql("""
                 SELECT query_name, arg_max(batch_id, timestamp) AS batch_id,

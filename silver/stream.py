@@ -209,10 +209,7 @@ class SilverBatchWriter:
         self.checks = parse_checks(settings.telemetry)
         self.paths = paths or {t: settings.table_path(t) for t in (TABLE, QUARANTINE_TABLE, QUALITY_TABLE)}
         self.last_counts: dict[str, int] = {}
-        # A key is kept until the watermark passes its event time, not event time + delay as in
-        # Spark's operator: a later copy of an event at or before the watermark is quarantined as
-        # late before the index is asked, so keeping it longer would only hold memory (half of
-        # it: keys lived two watermark delays behind the newest event).
+        # delay 0: late copies are quarantined before the index is asked (silver/dedup.py)
         self.index = DedupIndex(checkpoint, delay_ms=0) if settings.stream.dedup == "index" else None
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
