@@ -2,7 +2,7 @@
 
 Produces N ~150-byte telemetry JSON messages into a 4-partition topic on the embedded Apache
 Kafka, then drains it twice with ``availableNow``: once into bronze (``bronze.stream.start``:
-Spark's Kafka source into the Delta sink) and once into
+Spark's Kafka source, each batch appended to Delta once) and once into
 ``noop`` with the same Kafka stream, after a warm-up of both on another topic (the JVM's JIT
 would otherwise bill whichever runs first). The first micro-batch pays query start-up, so
 "steady" rates leave it out; on shared cores, CPU microseconds per row (whole process tree,

@@ -3,9 +3,10 @@
 Nothing is parsed away: raw key and value bytes, topic / partition / offset / Kafka timestamp,
 headers, and the time bronze ingested it. Malformed payloads are kept byte for byte.
 
-Spark's Kafka source keeps the offsets in the checkpoint and the Delta sink commits each
-micro-batch with the query id and batch id as its transaction, so a batch replayed after a crash
-is written once: exactly-once with no code of ours.
+Spark's Kafka source keeps the offsets in the checkpoint, and each micro-batch is appended with
+the query id and batch id as its Delta transaction (``lakehouse.delta_tables.append``, as
+Delta's own streaming sink does, without the sink's log replay per batch), so a batch replayed
+after a crash is written once.
 """
 
 from __future__ import annotations
@@ -85,20 +86,20 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
     # readers see an empty table before data; file statistics only on the columns queries
     # filter bronze by (Kafka coordinates, times), not on the raw key, value and headers
-    # partitioned by the ingest time's bucket, computed here: a generated column would make the
-    # Delta sink report 0 input rows per batch
+    # partitioned by the ingest time's bucket, computed by the stream into a plain column (as
+    # bronze tables have always been created)
     delta_tables.ensure_named_table(spark, settings, TABLE, SCHEMA, properties=STATS_COLUMNS,
                                     generated=False)
     # Started on its own (a bronze role, a backfill), bronze may come up before the bridge has
     # created the topic; subscribing to a missing topic fails the query.
     ensure_topics(settings)
-    query_id(ckpt)  # lock the checkpoint: a second writer fails fast
+    app_id = query_id(ckpt)  # also locks the checkpoint: a second writer fails fast
     writer = (
-        kafka_stream(spark, settings, max_offsets, partition_minutes(path)).writeStream.format("delta")
+        kafka_stream(spark, settings, max_offsets, partition_minutes(path)).writeStream
         .queryName(TABLE)
-        .outputMode("append")
+        .foreachBatch(lambda df, batch_id: delta_tables.append(df, path, app_id, batch_id))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )
     with pool(spark, "bronze"):
-        return writer.start(path)
+        return writer.start()

@@ -1,5 +1,6 @@
-"""Bronze on Spark's Kafka source and the Delta sink, against the real broker: records land
-byte for byte with their coordinates, once, across restarts, within the trigger limit."""
+"""Bronze on Spark's Kafka source, appended to Delta per micro-batch, against the real broker:
+records land byte for byte with their coordinates, once, across restarts, within the trigger
+limit."""
 
 from __future__ import annotations
 
