@@ -93,7 +93,7 @@ class Upkeep:
                 log.warning("retention of %s failed (the next pass tries again): %s", table,
                             error_line(e))
             self._compact_crowded(done)  # a failed DELETE must not hold compaction up
-        if self.last_vacuum is None or now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
+        if now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
             done["vacuumed"] = []
             for table in resolve_tables(s):
                 if self._stop.is_set():
@@ -102,9 +102,7 @@ class Upkeep:
                 done["vacuumed"].append(table)
                 # a vacuum pass takes minutes under load: streams go on adding files meanwhile
                 self._compact_crowded(done)
-            self.last_vacuum = now
-            self._state.parent.mkdir(parents=True, exist_ok=True)
-            self._state.write_text(json.dumps({"last_vacuum": now.isoformat()}))
+            self.last_vacuum = self._save_last_vacuum(now)
         self.passes += 1
         return done
 
@@ -121,11 +119,19 @@ class Upkeep:
                 done["compacted"] += compact(self.settings, [table], target_size=4 * m.small_file_bytes,
                                              zorder=False, small_size=m.small_file_bytes)
 
-    def _load_last_vacuum(self) -> datetime | None:
+    def _load_last_vacuum(self) -> datetime:
+        """The last vacuum; on a data root that has none yet, now: nothing can be due before the
+        first interval ends (tables are younger than vacuum's retention), so a fresh start does
+        not spend its first minute vacuuming every table."""
         try:
             return datetime.fromisoformat(json.loads(self._state.read_text())["last_vacuum"])
         except (OSError, ValueError, KeyError):
-            return None
+            return self._save_last_vacuum(datetime.now(UTC))
+
+    def _save_last_vacuum(self, when: datetime) -> datetime:
+        self._state.parent.mkdir(parents=True, exist_ok=True)
+        self._state.write_text(json.dumps({"last_vacuum": when.isoformat()}))
+        return when
 
     def _expiring(self, now: datetime) -> list[str]:
         """Tables with a whole partition past its retention, or (unpartitioned) whose oldest row
