@@ -161,6 +161,10 @@ class SparkSettings(_Section):
     # cached: small micro-batches never earn that back. false: interpreted expressions
     # (whole-stage code generation stays). docs/benchmarks.md, session 14.
     expression_codegen: bool = False
+    # glibc malloc arenas of the driver JVM (MALLOC_ARENA_MAX; 0: glibc's default, up to 8 per
+    # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
+    # growing over hours (docs/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
+    malloc_arenas: int = Field(2, ge=0)
     conf: dict[str, str] = Field(default_factory=dict)
 
 

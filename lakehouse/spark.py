@@ -25,6 +25,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if settings.spark.malloc_arenas:  # read by glibc when the driver JVM starts (a child of ours)
+        os.environ.setdefault("MALLOC_ARENA_MAX", str(settings.spark.malloc_arenas))
     # Object storage: fail fast on bad credentials; export AWS_* for the driver's own delta-rs
     # reads (lakehouse.delta_read). Spark itself reaches S3 through S3A (storage.spark_conf).
     storage.check(settings)
