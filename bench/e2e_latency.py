@@ -54,6 +54,8 @@ def main() -> None:
                     help="gold device health's trigger interval (<0: --trigger-seconds)")
     ap.add_argument("--windows-trigger-seconds", type=float, default=10,
                     help="gold window aggregates' trigger interval (<0: gold's)")
+    ap.add_argument("--stream", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other stream setting, e.g. min_offsets_per_trigger=1000 (repeatable)")
     ap.add_argument("--simulator-nice", type=int, default=0,
                     help="run the simulator (the devices' stand-in) at this nice level; the "
                          "achieved rate is printed either way")
@@ -104,7 +106,8 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
                              kafka={"embedded_port": free_port(pair=True)}, mqtt={"embedded_port": free_port()},
                              stream={"trigger_seconds": args.trigger_seconds,
                                      "gold_trigger_seconds": args.gold_trigger_seconds,
-                                     "windows_trigger_seconds": args.windows_trigger_seconds},
+                                     "windows_trigger_seconds": args.windows_trigger_seconds,
+                                     **dict(kv.split("=", 1) for kv in args.stream)},
                              observability={"metrics_port": 0}, spark=spark_opts)
     cfg = settings.save(root / "settings.json")
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
@@ -165,6 +168,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
         "achieved_rate": _achieved_rate(root / "simulate.log", sim_seconds) if rate > 0 else 0,
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
         "windows_trigger_seconds": args.windows_trigger_seconds, "simulator_nice": args.simulator_nice,
+        "stream": dict(kv.split("=", 1) for kv in args.stream),
         "shuffle_partitions": shuffle_partitions(settings),
         "cores_iotlake": round(sum(v for r, v in cores.items() if r in IOTLAKE), 2),
         "load": os.getloadavg()[0],

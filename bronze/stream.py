@@ -56,9 +56,11 @@ def java_client_options(client_config: dict[str, str]) -> dict[str, str]:
 
 
 def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | None = None,
-                 bucket_minutes: int | None = None) -> DataFrame:
+                 bucket_minutes: int | None = None, live: bool = False) -> DataFrame:
     """The topic as Spark's Kafka source reads it, in bronze's columns; with ``bucket_minutes``
-    also the time-bucket partition column (``lakehouse.tables.PARTITION_COLUMN``)."""
+    also the time-bucket partition column (``lakehouse.tables.PARTITION_COLUMN``). ``live``: a
+    streaming run that batches slow traffic (``stream.min_offsets_per_trigger``); catch-up
+    runs (``availableNow``) take what is there."""
     st = settings.stream
     reader = (
         spark.readStream.format("kafka")
@@ -71,6 +73,9 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
     )
     if st.kafka_min_partitions:
         reader = reader.option("minPartitions", str(st.kafka_min_partitions))
+    if live and st.min_offsets_per_trigger:
+        reader = (reader.option("minOffsetsPerTrigger", str(st.min_offsets_per_trigger))
+                  .option("maxTriggerDelay", f"{int(st.max_batch_delay_seconds * 1000)}ms"))
     for k, v in java_client_options(settings.kafka.client_config).items():
         reader = reader.option(k, v)
     df = reader.load().select(
@@ -95,7 +100,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     ensure_topics(settings)
     app_id = query_id(ckpt)  # also locks the checkpoint: a second writer fails fast
     writer = (
-        kafka_stream(spark, settings, max_offsets, partition_minutes(path)).writeStream
+        kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live").writeStream
         .queryName(TABLE)
         .foreachBatch(lambda df, batch_id: delta_tables.append(df, path, app_id, batch_id))
         .option("checkpointLocation", ckpt)

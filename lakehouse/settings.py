@@ -177,6 +177,12 @@ class StreamSettings(_Section):
     # a longer interval leaves the cores to the latency path. <0: gold_trigger_seconds.
     windows_trigger_seconds: float = Field(-1.0)
     max_offsets_per_trigger: int = Field(200_000, ge=1)
+    # A live bronze batch waits for this many new Kafka records, or at most
+    # ``max_batch_delay_seconds`` after the previous batch (Kafka source's minOffsetsPerTrigger /
+    # maxTriggerDelay): a slow fleet's events are batched instead of paying a micro-batch of every
+    # layer each trigger. 0: a batch at every trigger with new records.
+    min_offsets_per_trigger: int = Field(0, ge=0)
+    max_batch_delay_seconds: float = Field(2.0, gt=0)
     # On a graceful stop (SIGTERM / Ctrl-C) each query gets up to this long to finish the
     # micro-batch it is running; stopping mid-batch cancels its jobs (replayed at restart).
     graceful_stop_seconds: float = Field(30.0, ge=0)

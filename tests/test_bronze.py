@@ -94,3 +94,30 @@ def test_killed_mid_run_restart_loses_nothing_and_duplicates_nothing(settings: S
     run(spark, settings)
     assert set(bronze_rows(settings)) == set(sent)
     assert bronze_rows(settings) == sent
+
+
+def test_slow_traffic_is_batched_up_to_the_delay(settings: Settings, spark) -> None:
+    """``stream.min_offsets_per_trigger``: records trickling in for ~3 s at a 0.2 s trigger land
+    in at most two batches (the 2 s delay fires), not about one per trigger."""
+    settings.stream.trigger_seconds = 0.2
+    settings.stream.min_offsets_per_trigger = 10_000
+    settings.stream.max_batch_delay_seconds = 2.0
+    q = bronze.stream.start(spark, settings, "live")
+    try:
+        def landed(n: int) -> None:
+            deadline = time.monotonic() + 60
+            while len(bronze_rows(settings)) < n and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+        sent = produce(settings, 0, 5)
+        landed(5)  # the query runs: its first batch is behind it
+        first = len([p for p in q.recentProgress if p["numInputRows"]])
+        for k in range(1, 11):
+            sent |= produce(settings, k * 5, 5)
+            time.sleep(0.3)
+        landed(55)
+        assert bronze_rows(settings) == sent
+        batches = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]][first:]
+        assert sum(batches) == 50 and len(batches) <= 2, batches
+    finally:
+        q.stop()
