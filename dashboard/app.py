@@ -3,11 +3,14 @@
 Every answer is aggregated and paged on the server, so the page stays fast with hundreds of
 thousands of devices. Opened tables are cached and reloaded only when a new Delta version is
 committed; answers are memoised per table version, so a refreshing page costs a version check.
+The pipeline panel, whose tables commit every micro-batch, is served from its last answer while
+the next one is computed.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +32,8 @@ from fastapi.staticfiles import StaticFiles
 
 from lakehouse.delta_read import arrow_dataset, table_exists
 from lakehouse.settings import Settings
+
+log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 PIPELINE_COLUMNS = ("query_name", "batch_id", "timestamp", "input_rows_per_second",
@@ -95,11 +100,45 @@ class TableCache:
 
 
 class Memo:
-    """Small LRU of answers keyed by (endpoint, params, table versions)."""
+    """Small LRU of answers keyed by (endpoint, params, table versions); ``latest`` for answers
+    whose tables change at every micro-batch."""
 
     def __init__(self, size: int = 512) -> None:
         self._d: OrderedDict[tuple, Any] = OrderedDict()
         self._size, self._lock = size, threading.Lock()
+        self._latest: dict[str, tuple[tuple, Any]] = {}  # name -> (versions, answer)
+        self._refreshing: set[str] = set()
+
+    def latest(self, name: str, versions: tuple, compute: Callable[[], Any]) -> Any:
+        """The answer for ``versions``, or while it is computed in the background the previous
+        one (stale by at most one computation): a request waits only for the very first answer.
+        For summaries whose tables commit every second (pipeline metrics, quality log), where a
+        request would otherwise recompute each time, and wait the longest when the pipeline
+        keeps the cores busy."""
+        with self._lock:
+            have = self._latest.get(name)
+            if have is not None and (have[0] == versions or name in self._refreshing):
+                return have[1]
+            if have is not None:
+                self._refreshing.add(name)
+                threading.Thread(target=self._refresh, args=(name, versions, compute),
+                                 name=f"dashboard-refresh-{name}", daemon=True).start()
+                return have[1]
+        value = compute()
+        with self._lock:
+            self._latest[name] = (versions, value)
+        return value
+
+    def _refresh(self, name: str, versions: tuple, compute: Callable[[], Any]) -> None:
+        try:
+            value = compute()
+            with self._lock:
+                self._latest[name] = (versions, value)
+        except Exception:  # noqa: BLE001 - the next request tries again; the old answer stays
+            log.exception("dashboard: refreshing %s failed", name)
+        finally:
+            with self._lock:
+                self._refreshing.discard(name)
 
     def __call__(self, key: tuple, compute: Callable[[], Any]) -> Any:
         with self._lock:
@@ -253,8 +292,8 @@ class Lake:
         return self.memo(("events", limit, self.tables.versions(*names)), compute)
 
     def pipeline(self) -> dict[str, Any]:
-        names = ("pipeline_metrics", "quality_log")
-        return self.memo(("pipeline", self.tables.versions(*names)), self._pipeline)
+        return self.memo.latest("pipeline", self.tables.versions("pipeline_metrics", "quality_log"),
+                                self._pipeline)
 
     def _pipeline(self) -> dict[str, Any]:
         out: dict[str, Any] = {"queries": [], "quality": []}

@@ -124,7 +124,7 @@ def _append_once(df: DataFrame, path: str, app_id: str, batch_id: int) -> None:
     up: Delta 4.4 answers ``txnVersion`` from the snapshot's reconstructed state (a Spark job,
     about half a small append's cost), while the version's checksum file already lists the
     table's transactions. That list is read here; without it Delta's own lookup runs. Only
-    for data whose columns the table has with the same types (missing ones generated)."""
+    for data whose columns the table has with the same types (``_fits``)."""
     global _append_fast_path
     from py4j.protocol import Py4JError, Py4JJavaError
 

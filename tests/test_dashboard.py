@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from dashboard.app import create_app
+from dashboard.app import Memo, create_app
 from lakehouse.settings import Settings, load_settings
 from orchestration.query import run_query
 from orchestration.services import free_port
@@ -105,6 +105,32 @@ def test_reloads_only_on_new_version(served) -> None:
           run_query(settings, "SELECT * FROM device_current WHERE device_id <> 'dev-new'"),
           mode="overwrite")
     assert get(base, "/api/fleet").json()["by_status"] == facts["fleet"]
+
+
+def test_latest_serves_the_previous_answer_while_the_next_is_computed() -> None:
+    memo, release = Memo(), threading.Event()
+    assert memo.latest("p", (1,), lambda: "v1") == "v1"  # the first answer: computed at once
+    assert memo.latest("p", (1,), lambda: pytest.fail("same versions: no recompute")) == "v1"
+
+    def slow() -> str:
+        release.wait(10)
+        return "v2"
+
+    started = time.monotonic()
+    assert memo.latest("p", (2,), slow) == "v1"  # new versions: the old answer, not a wait
+    assert memo.latest("p", (3,), lambda: pytest.fail("one refresh at a time")) == "v1"
+    assert time.monotonic() - started < 5
+    release.set()
+    deadline = time.monotonic() + 10
+    while memo.latest("p", (2,), lambda: "unused") != "v2" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert memo.latest("p", (2,), lambda: pytest.fail("refreshed")) == "v2"
+    # a refresh that fails keeps the last answer; the next change tries again
+    assert memo.latest("p", (4,), lambda: 1 / 0) == "v2"
+    deadline = time.monotonic() + 10
+    while memo.latest("p", (5,), lambda: "v5") != "v5" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert memo.latest("p", (5,), lambda: "unused") == "v5"
 
 
 def _chromium() -> str | None:
