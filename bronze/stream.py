@@ -100,8 +100,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     ensure_topics(settings)
     app_id = query_id(ckpt)  # also locks the checkpoint: a second writer fails fast
     # A file per Kafka partition per batch made bronze the most crowded table at one-second
-    # batches (300 files between two upkeep passes in a soak); one write task per core does the
-    # same work in fewer files. On a cluster, cores outnumber partitions: nothing changes there.
+    # batches (docs/benchmarks.md, session 20's soak); one write task per core does the same
+    # work in fewer files. On a cluster, cores outnumber partitions: nothing changes there.
     writer = (
         kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live").writeStream
         .queryName(TABLE)
