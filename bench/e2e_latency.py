@@ -68,6 +68,7 @@ def main() -> None:
                          "flowing); the last line then has cores_<rate> and the latencies at "
                          "1000 and 5000 events/s")
     args = ap.parse_args()
+    args.stream = dict(kv.split("=", 1) for kv in args.stream)
     if args.smoke:
         args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 8, 2, 2
         args.rates = "50"
@@ -107,7 +108,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
                              stream={"trigger_seconds": args.trigger_seconds,
                                      "gold_trigger_seconds": args.gold_trigger_seconds,
                                      "windows_trigger_seconds": args.windows_trigger_seconds,
-                                     **dict(kv.split("=", 1) for kv in args.stream)},
+                                     **args.stream},
                              observability={"metrics_port": 0}, spark=spark_opts)
     cfg = settings.save(root / "settings.json")
     env = {**os.environ, "IOTLAKE_CONFIG": str(cfg)}
@@ -168,7 +169,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
         "achieved_rate": _achieved_rate(root / "simulate.log", sim_seconds) if rate > 0 else 0,
         "trigger_seconds": args.trigger_seconds, "gold_trigger_seconds": args.gold_trigger_seconds,
         "windows_trigger_seconds": args.windows_trigger_seconds, "simulator_nice": args.simulator_nice,
-        "stream": dict(kv.split("=", 1) for kv in args.stream),
+        "stream": args.stream,
         "shuffle_partitions": shuffle_partitions(settings),
         "cores_iotlake": round(sum(v for r, v in cores.items() if r in IOTLAKE), 2),
         "load": os.getloadavg()[0],

@@ -102,11 +102,11 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     # A file per Kafka partition per batch made bronze the most crowded table at one-second
     # batches (docs/benchmarks.md, session 20's soak); one write task per core does the same
     # work in fewer files. On a cluster, cores outnumber partitions: nothing changes there.
+    tasks = spark.sparkContext.defaultParallelism
     writer = (
         kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live").writeStream
         .queryName(TABLE)
-        .foreachBatch(lambda df, batch_id: delta_tables.append(
-            df.coalesce(spark.sparkContext.defaultParallelism), path, app_id, batch_id))
+        .foreachBatch(lambda df, batch_id: delta_tables.append(df.coalesce(tasks), path, app_id, batch_id))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )
