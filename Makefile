@@ -27,7 +27,7 @@ demo: install           ## bounded run: publish events, wait for gold, print acc
 	$(BIN)/iotlake demo --events 5000 --devices 20
 
 test: install test-deps $(EDGE_STAMP) ## the whole test suite (real brokers, real Spark, real Delta files)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
 lint: install
 	$(BIN)/ruff check .

@@ -116,12 +116,15 @@ def spark(base_dir: Path):
     session.stop()
 
 
-# Longest files first (seconds on the 2-core machine): with two xdist workers taking whole
-# files, a long file started last would leave one worker idle while the other finishes it.
-_LONG_FILES = ("test_bench_processes.py", "test_gold.py", "test_benchmarks.py", "test_dags.py",
-               "test_scaleout_s3.py", "test_chaos.py", "test_silver.py", "test_pipeline.py",
-               "test_scaleout.py", "test_backfill.py", "test_run_restart.py", "test_fuzz.py",
-               "test_query.py", "test_scaleout_roles.py")
+# Longest files first (worker-seconds on the 2-core machine, docs/benchmarks.md): with two xdist
+# workers taking whole files, a long file started last would leave one worker idle while the
+# other finishes it. `make test` passes --no-loadscope-reorder: xdist would otherwise order files
+# by their number of tests.
+_LONG_FILES = ("test_bench_processes.py", "test_chaos.py", "test_benchmarks.py", "test_gold.py",
+               "test_scaleout.py", "test_fleet.py", "test_bridge.py", "test_pipeline.py",
+               "test_dags.py", "test_sparkplug.py", "test_scaleout_s3.py", "test_maintenance.py",
+               "test_backfill.py", "test_run_restart.py", "test_silver.py", "test_fuzz.py",
+               "test_kafka_broker.py", "test_expectations.py", "test_security.py", "test_query.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
