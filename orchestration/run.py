@@ -17,12 +17,15 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
+from lakehouse import native_memory
 from lakehouse.delta_read import row_count
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
 
 ROLES = ("all", "bridge", "streams", "bronze", "silver", "gold")
+#: how often a running process hands freed native memory back (``lakehouse.native_memory``)
+RELEASE_MEMORY_SECONDS = 60.0
 
 
 @contextlib.contextmanager
@@ -129,6 +132,7 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
 
     stop = stop or threading.Event()
     hurry = threading.Event()
+    native_memory.fix_mmap_threshold()  # this process lives for weeks: see lakehouse.native_memory
     with contextlib.ExitStack() as stack:
         stack.enter_context(_stop_on_signals(stop, hurry))
         if role == "all":
@@ -169,11 +173,15 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             t.start()
             stack.callback(lambda: (sim_stop.set(), t.join(10)))
         log.info("iotlake running (role=%s); Ctrl-C to stop", role)
+        released = time.monotonic()
         while not stop.wait(1.0):
             if running:
                 check_alive(running.queries)
             if bridge is not None:
                 check_bridge(bridge)
+            if time.monotonic() - released >= RELEASE_MEMORY_SECONDS:
+                native_memory.release()
+                released = time.monotonic()
     log.info("iotlake stopped")
     return 0
 

@@ -1,0 +1,45 @@
+"""Freed native memory handed back to the system by long-running iotlake processes (glibc only).
+
+glibc's malloc raises its mmap threshold each time a large block is freed, so later large blocks
+(the dict tables of silver's dedup index as it grows and shrinks with the stream's lag, pandas
+and Python buffers) come from per-thread arenas, and freed space there stays resident. The
+driver of ``iotlake run`` then grew for an hour without holding more data (docs/benchmarks.md,
+session 21). A fixed threshold returns large blocks to the system when they are freed, and a
+periodic ``malloc_trim`` releases the free pages left inside the arenas. Elsewhere (musl, macOS)
+both are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+
+#: mallopt's parameter number for the mmap threshold (glibc's malloc.h)
+_M_MMAP_THRESHOLD = -3
+#: blocks of at least this size are mmapped, so freeing them returns them at once
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes, libc.mallopt.argtypes = [ctypes.c_size_t], [ctypes.c_int, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serve blocks of ``nbytes`` or more by mmap from now on (no dynamic threshold)."""
+    libc = _glibc()
+    return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
+def release() -> bool:
+    """Return the free pages of every malloc arena to the system; True if any were."""
+    libc = _glibc()
+    return bool(libc and libc.malloc_trim(0))
