@@ -165,11 +165,6 @@ class SparkSettings(_Section):
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
     # growing over hours (docs/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
     malloc_arenas: int = Field(2, ge=0)
-    # native allocator of the driver JVM (and the Python workers it forks): "jemalloc" returns
-    # freed memory to the system where glibc's arenas kept the JVM's resident size growing for
-    # hours (docs/benchmarks.md); "auto": jemalloc when libjemalloc is installed (`make` installs
-    # it), else glibc; "glibc": never preload. An inherited LD_PRELOAD wins.
-    allocator: Literal["auto", "jemalloc", "glibc"] = "auto"
     conf: dict[str, str] = Field(default_factory=dict)
 
 

@@ -3,10 +3,8 @@ classpath from the Maven-resolved jars (``lakehouse.jars``), nothing downloaded 
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -84,45 +82,12 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         conf = _with_local_fs_shim(conf)
     for k, v in conf.items():
         b = b.config(k, v)
-    with _driver_env(settings):
-        spark = b.getOrCreate()
+    spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     _quiet_loggers(spark)
     if not is_local(settings.spark.master):
         ship_packages(spark)
     return spark
-
-
-def native_allocator(choice: str) -> str | None:
-    """The jemalloc library for the driver JVM to preload (``spark.allocator``), or None: glibc."""
-    if choice == "glibc" or (choice == "auto" and not sys.platform.startswith("linux")):
-        return None
-    lib = ctypes.util.find_library("jemalloc")
-    if lib is None and choice == "jemalloc":
-        raise ValueError("spark.allocator = 'jemalloc' but libjemalloc is not installed: install "
-                         "it (Debian/Ubuntu: apt-get install libjemalloc2) or set "
-                         "spark.allocator = 'auto'")
-    return lib
-
-
-@contextmanager
-def _driver_env(settings: Settings):
-    """Environment for the driver JVM only: set while pyspark launches it, then restored, so the
-    brokers, the bridge and other children of ours keep their own allocator."""
-    extra = {}
-    lib = native_allocator(settings.spark.allocator)
-    if lib and not os.environ.get("LD_PRELOAD"):
-        extra["LD_PRELOAD"] = lib
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 #: Spark loggers whose WARN lines are routine here: "Current batch is falling behind" once per

@@ -148,26 +148,6 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     assert any(a == f"-XX:SharedArchiveFile={jars.class_archive()}" for a in args) == built, args
 
 
-def test_driver_jvm_allocates_with_jemalloc_and_nothing_else_does(spark, monkeypatch) -> None:
-    """``spark.allocator`` "auto" preloads jemalloc into the driver JVM only (``make`` installs
-    it); "glibc" never does; "jemalloc" without the library says how to fix it."""
-    import os
-
-    from lakehouse import spark as spark_mod
-
-    lib = spark_mod.native_allocator("auto")
-    assert lib and "jemalloc" in lib
-    assert spark_mod.native_allocator("glibc") is None
-    pid = spark._jvm.java.lang.ProcessHandle.current().pid()
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    assert "libjemalloc" in maps
-    assert "LD_PRELOAD" not in os.environ  # restored once the JVM started
-    monkeypatch.setattr(spark_mod.ctypes.util, "find_library", lambda name: None)
-    assert spark_mod.native_allocator("auto") is None
-    with pytest.raises(ValueError, match="apt-get install libjemalloc2"):
-        spark_mod.native_allocator("jemalloc")
-
-
 def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
     """``spark.expression_codegen`` (default false) is Spark's expression factory mode; a query
     gives the same rows either way."""
