@@ -2,8 +2,8 @@
 
 glibc's malloc raises its mmap threshold each time a large block is freed, so later large blocks
 (the dict tables of silver's dedup index as it grows and shrinks with the stream's lag, pandas
-and Python buffers) come from per-thread arenas, and freed space there stays resident. The
-driver of ``iotlake run`` then grew for an hour without holding more data (docs/benchmarks.md,
+and Python buffers) come from per-thread arenas, and freed space there stays resident: in an
+hour-long soak one arena of the ``iotlake run`` driver doubled within minutes (docs/benchmarks.md,
 session 21). A fixed threshold returns large blocks to the system when they are freed, and a
 periodic ``malloc_trim`` releases the free pages left inside the arenas. Elsewhere (musl, macOS)
 both are no-ops.
