@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -13,13 +14,13 @@ pytestmark = pytest.mark.skipif(native_memory._glibc() is None, reason="glibc on
 
 
 def _rss_mb() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def test_freed_blocks_inside_the_heap_are_released() -> None:
     """200 MB of 100 KB blocks, all freed but every tenth: the free pages between the survivors
     stay resident until ``release``."""
-    libc = ctypes.CDLL("libc.so.6")
+    libc = native_memory._glibc()
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     assert native_memory.fix_mmap_threshold()
