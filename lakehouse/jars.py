@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lakehouse import native_memory
+
 _CHECKOUT = Path(__file__).resolve().parents[1]
 
 
@@ -50,8 +52,9 @@ def class_archive() -> Path:
 
 
 def driver_java_options(class_data_sharing: bool = True) -> str:
-    """JVM options of the Spark driver: log level, and the class archive when there is one."""
-    opts = "-Dlog4j2.level=WARN"
+    """JVM options of the Spark driver: log level, bounded NIO buffer caches
+    (``native_memory.JVM_OPTIONS``), and the class archive when there is one."""
+    opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.JVM_OPTIONS))
     archive = class_archive()
     if class_data_sharing and archive.is_file():
         # -Xlog off: a stale archive is skipped silently rather than warned about on every start

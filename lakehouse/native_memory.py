@@ -15,6 +15,13 @@ import ctypes
 import functools
 import sys
 
+#: JVM options of iotlake's long-running JVMs (Spark driver, embedded Kafka). A thread that reads
+#: or writes a heap buffer through an NIO channel (Kafka fetches, Arrow batches to Python workers)
+#: borrows a temporary direct buffer of that size, and the JDK caches up to 16 per thread whatever
+#: their size: direct memory then creeps up with the largest batch each thread has seen. Above
+#: 256 KiB they are freed after use.
+JVM_OPTIONS = ("-Djdk.nio.maxCachedBufferSize=262144",)
+
 #: mallopt's parameter number for the mmap threshold (glibc's malloc.h)
 _M_MMAP_THRESHOLD = -3
 #: blocks of at least this size are mmapped, so freeing them returns them at once

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lakehouse import native_memory
 from lakehouse.jars import kafka_classpath
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
@@ -294,7 +295,7 @@ def kafka_service(settings: Settings, port: int | None = None) -> Service:
     # Serial GC and C1 only: on a small machine the broker starts in about half the time, with
     # no slower produce, and RSS stays near the heap (docs/benchmarks.md).
     jvm = [java, f"-Xmx{heap}m", f"-Xms{min(64, heap)}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-           "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+           "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *native_memory.JVM_OPTIONS,
            f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
 
     def prepare() -> None:

@@ -41,6 +41,8 @@ def test_records_and_offsets_survive_broker_restarts(tmp_path: Path) -> None:
                       kafka={"embedded_port": port, "partitions": 2})
     broker = kafka_service(s).start()
     try:
+        # large temporary NIO buffers are not cached per thread (lakehouse.native_memory)
+        assert "-Djdk.nio.maxCachedBufferSize=262144" in Path(f"/proc/{broker.proc.pid}/cmdline").read_text()
         ensure_topics(s)
         p = Producer({"bootstrap.servers": s.kafka_bootstrap, "acks": "all",
                       "enable.idempotence": True, "linger.ms": 5})

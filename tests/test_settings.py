@@ -135,17 +135,19 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     from lakehouse import jars
 
     monkeypatch.setenv("IOTLAKE_JARS_DIR", str(tmp_path))
-    assert jars.driver_java_options() == "-Dlog4j2.level=WARN"  # no archive: plain start
+    plain = "-Dlog4j2.level=WARN -Djdk.nio.maxCachedBufferSize=262144"
+    assert jars.driver_java_options() == plain  # no archive: plain start
     archive = jars.class_archive()
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"")
     assert f"-XX:SharedArchiveFile={archive}" in jars.driver_java_options()
-    assert jars.driver_java_options(class_data_sharing=False) == "-Dlog4j2.level=WARN"
+    assert jars.driver_java_options(class_data_sharing=False) == plain
     # the suite's own driver was started with the archive `make` built, when there is one
     monkeypatch.delenv("IOTLAKE_JARS_DIR")
     args = list(spark._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
     built = jars.class_archive().is_file()
     assert any(a == f"-XX:SharedArchiveFile={jars.class_archive()}" for a in args) == built, args
+    assert spark._jvm.java.lang.System.getProperty("jdk.nio.maxCachedBufferSize") == "262144"
 
 
 def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
