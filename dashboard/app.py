@@ -109,31 +109,39 @@ class Memo:
         self._latest: dict[str, tuple[tuple, Any]] = {}  # name -> (versions, answer)
         self._refreshing: set[str] = set()
 
-    def latest(self, name: str, versions: tuple, compute: Callable[[], Any]) -> Any:
-        """The answer for ``versions``, or while it is computed in the background the previous
-        one (stale by at most one computation): a request waits only for the very first answer.
-        For summaries whose tables commit every second (pipeline metrics, quality log), where a
-        request would otherwise recompute each time, and wait the longest when the pipeline
-        keeps the cores busy."""
+    def latest(self, name: str, versions: Callable[[], tuple], compute: Callable[[], Any]) -> Any:
+        """The last answer; a background thread checks ``versions`` (the tables' Delta versions)
+        and recomputes when they moved, one refresh at a time. A request waits only for the very
+        first answer, and an answer lags by at most one refresh. For summaries whose tables commit
+        every second (pipeline metrics, quality log): reading their logs inside the request made
+        it wait the longest exactly when the pipeline kept the cores busy."""
         with self._lock:
             have = self._latest.get(name)
-            if have is not None and (have[0] == versions or name in self._refreshing):
-                return have[1]
             if have is not None:
-                self._refreshing.add(name)
-                threading.Thread(target=self._refresh, args=(name, versions, compute),
-                                 name=f"dashboard-refresh-{name}", daemon=True).start()
+                if name not in self._refreshing:
+                    self._refreshing.add(name)
+                    threading.Thread(target=self._refresh, args=(name, versions, compute),
+                                     name=f"dashboard-refresh-{name}", daemon=True).start()
                 return have[1]
+        seen = versions()
         value = compute()
         with self._lock:
-            self._latest[name] = (versions, value)
+            self._latest[name] = (seen, value)
         return value
 
-    def _refresh(self, name: str, versions: tuple, compute: Callable[[], Any]) -> None:
+    def refreshing(self, name: str) -> bool:
+        with self._lock:
+            return name in self._refreshing
+
+    def _refresh(self, name: str, versions: Callable[[], tuple], compute: Callable[[], Any]) -> None:
         try:
-            value = compute()
+            seen = versions()
             with self._lock:
-                self._latest[name] = (versions, value)
+                moved = self._latest[name][0] != seen
+            if moved:
+                value = compute()
+                with self._lock:
+                    self._latest[name] = (seen, value)
         except Exception:  # noqa: BLE001 - the next request tries again; the old answer stays
             log.exception("dashboard: refreshing %s failed", name)
         finally:
@@ -292,7 +300,7 @@ class Lake:
         return self.memo(("events", limit, self.tables.versions(*names)), compute)
 
     def pipeline(self) -> dict[str, Any]:
-        return self.memo.latest("pipeline", self.tables.versions("pipeline_metrics", "quality_log"),
+        return self.memo.latest("pipeline", lambda: self.tables.versions("pipeline_metrics", "quality_log"),
                                 self._pipeline)
 
     def _pipeline(self) -> dict[str, Any]:

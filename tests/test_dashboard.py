@@ -108,29 +108,52 @@ def test_reloads_only_on_new_version(served) -> None:
 
 
 def test_latest_serves_the_previous_answer_while_the_next_is_computed() -> None:
-    memo, release = Memo(), threading.Event()
-    assert memo.latest("p", (1,), lambda: "v1") == "v1"  # the first answer: computed at once
-    assert memo.latest("p", (1,), lambda: pytest.fail("same versions: no recompute")) == "v1"
+    """Requests never wait for a version check or a recompute, only for the very first answer."""
+    memo, release, computed = Memo(), threading.Event(), []
+
+    def answer(v: str):
+        return lambda: computed.append(v) or v
+
+    def settled() -> None:
+        deadline = time.monotonic() + 10
+        while memo.refreshing("p") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def slow_versions() -> tuple:
+        release.wait(10)
+        return (1,)
+
+    assert memo.latest("p", lambda: (1,), answer("v1")) == "v1"  # the first answer: computed at once
+    started = time.monotonic()
+    assert memo.latest("p", slow_versions, answer("no")) == "v1"  # a slow log read: not waited for
+    assert time.monotonic() - started < 5
+    release.set()
+    settled()
+    assert computed == ["v1"]  # same versions: not recomputed
+
+    release.clear()
 
     def slow() -> str:
         release.wait(10)
         return "v2"
 
     started = time.monotonic()
-    assert memo.latest("p", (2,), slow) == "v1"  # new versions: the old answer, not a wait
-    assert memo.latest("p", (3,), lambda: pytest.fail("one refresh at a time")) == "v1"
+    assert memo.latest("p", lambda: (2,), slow) == "v1"  # new versions: the old answer, not a wait
+    assert memo.latest("p", lambda: (3,), answer("no")) == "v1"  # one refresh at a time
     assert time.monotonic() - started < 5
     release.set()
-    deadline = time.monotonic() + 10
-    while memo.latest("p", (2,), lambda: "unused") != "v2" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert memo.latest("p", (2,), lambda: pytest.fail("refreshed")) == "v2"
-    # a refresh that fails keeps the last answer; the next change tries again
-    assert memo.latest("p", (4,), lambda: 1 / 0) == "v2"
-    deadline = time.monotonic() + 10
-    while memo.latest("p", (5,), lambda: "v5") != "v5" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert memo.latest("p", (5,), lambda: "unused") == "v5"
+    settled()
+    assert memo.latest("p", lambda: (2,), answer("no")) == "v2"
+    settled()
+    assert computed == ["v1"]
+    # a refresh that fails keeps the last answer; the next request tries again
+    assert memo.latest("p", lambda: (4,), lambda: 1 / 0) == "v2"
+    settled()
+    assert memo.latest("p", lambda: (5,), answer("v5")) == "v2"
+    settled()
+    assert memo.latest("p", lambda: (5,), answer("no")) == "v5"
+    settled()
+    assert computed == ["v1", "v5"]
 
 
 def _chromium() -> str | None:
