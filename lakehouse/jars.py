@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from lakehouse import native_memory
@@ -51,10 +52,18 @@ def class_archive() -> Path:
     return jars_root() / "cds" / "spark-driver.jsa"
 
 
+def java_binary() -> str | None:
+    """The ``java`` Spark's launcher runs too: ``$JAVA_HOME/bin/java``, else the one on PATH."""
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").exists():
+        return str(Path(home) / "bin" / "java")
+    return shutil.which("java")
+
+
 def driver_java_options(class_data_sharing: bool = True) -> str:
     """JVM options of the Spark driver: log level, bounded NIO buffer caches
-    (``native_memory.JVM_OPTIONS``), and the class archive when there is one."""
-    opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.JVM_OPTIONS))
+    and native heap trims (``native_memory.jvm_options``), and the class archive when there is one."""
+    opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary())))
     archive = class_archive()
     if class_data_sharing and archive.is_file():
         # -Xlog off: a stale archive is skipped silently rather than warned about on every start

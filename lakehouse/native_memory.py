@@ -6,21 +6,38 @@ and Python buffers) come from per-thread arenas, and freed space there stays res
 hour-long soak one arena of the ``iotlake run`` driver doubled within minutes (docs/benchmarks.md,
 session 21). A fixed threshold returns large blocks to the system when they are freed, and a
 periodic ``malloc_trim`` releases the free pages left inside the arenas. Elsewhere (musl, macOS)
-both are no-ops.
+both are no-ops. The JVMs get the same from their own options (``jvm_options``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import subprocess
 import sys
 
-#: JVM options of iotlake's long-running JVMs (Spark driver, embedded Kafka). A thread that reads
-#: or writes a heap buffer through an NIO channel (Kafka fetches, Arrow batches to Python workers)
-#: borrows a temporary direct buffer of that size, and the JDK caches up to 16 per thread whatever
-#: their size: direct memory then creeps up with the largest batch each thread has seen. Above
-#: 256 KiB they are freed after use.
-JVM_OPTIONS = ("-Djdk.nio.maxCachedBufferSize=262144",)
+#: A thread that reads or writes a heap buffer through an NIO channel (Kafka fetches, Arrow
+#: batches to Python workers) borrows a temporary direct buffer of that size, and the JDK caches
+#: up to 16 per thread whatever their size: direct memory then creeps up with the largest batch
+#: each thread has seen. Above 256 KiB they are freed after use.
+NIO_BUFFER_CACHE = "-Djdk.nio.maxCachedBufferSize=262144"
+#: The JVM hands glibc's free memory back every minute, as ``release`` does for Python (JDK
+#: 17.0.15 has the flag; older builds refuse to start with it, hence the probe).
+TRIM_NATIVE_HEAP = "-XX:TrimNativeHeapInterval=60000"
+
+
+@functools.cache
+def jvm_options(java: str | None) -> tuple[str, ...]:
+    """Options for iotlake's long-running JVMs (Spark driver, embedded Kafka) started by ``java``."""
+    if java is None:
+        return (NIO_BUFFER_CACHE,)
+    try:
+        ok = subprocess.run([java, TRIM_NATIVE_HEAP, "-version"], capture_output=True,
+                            timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return (NIO_BUFFER_CACHE, TRIM_NATIVE_HEAP) if ok else (NIO_BUFFER_CACHE,)
+
 
 #: mallopt's parameter number for the mmap threshold (glibc's malloc.h)
 _M_MMAP_THRESHOLD = -3

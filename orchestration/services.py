@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lakehouse import native_memory
+from lakehouse import jars, native_memory
 from lakehouse.jars import kafka_classpath
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
@@ -214,9 +214,7 @@ def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: s
 
 
 def java_binary() -> str:
-    home = os.environ.get("JAVA_HOME")
-    found = (str(Path(home) / "bin" / "java") if home and (Path(home) / "bin" / "java").exists()
-             else shutil.which("java"))
+    found = jars.java_binary()
     if not found:
         raise ServiceError("java is not installed: run `make install` (apt-get install openjdk-17-jre-headless)")
     return found
@@ -295,7 +293,7 @@ def kafka_service(settings: Settings, port: int | None = None) -> Service:
     # Serial GC and C1 only: on a small machine the broker starts in about half the time, with
     # no slower produce, and RSS stays near the heap (docs/benchmarks.md).
     jvm = [java, f"-Xmx{heap}m", f"-Xms{min(64, heap)}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-           "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *native_memory.JVM_OPTIONS,
+           "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *native_memory.jvm_options(java),
            f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
 
     def prepare() -> None:

@@ -7,9 +7,10 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from lakehouse import native_memory
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
-from orchestration.services import free_port, kafka_service
+from orchestration.services import free_port, java_binary, kafka_service
 
 
 def _records(settings: Settings) -> dict[tuple[int, int], bytes]:
@@ -41,8 +42,9 @@ def test_records_and_offsets_survive_broker_restarts(tmp_path: Path) -> None:
                       kafka={"embedded_port": port, "partitions": 2})
     broker = kafka_service(s).start()
     try:
-        # large temporary NIO buffers are not cached per thread (lakehouse.native_memory)
-        assert "-Djdk.nio.maxCachedBufferSize=262144" in Path(f"/proc/{broker.proc.pid}/cmdline").read_text()
+        # the options of every long-running JVM (lakehouse.native_memory)
+        cmdline = Path(f"/proc/{broker.proc.pid}/cmdline").read_text().split("\0")
+        assert set(native_memory.jvm_options(java_binary())) <= set(cmdline)
         ensure_topics(s)
         p = Producer({"bootstrap.servers": s.kafka_bootstrap, "acks": "all",
                       "enable.idempotence": True, "linger.ms": 5})

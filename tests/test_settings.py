@@ -132,10 +132,10 @@ def test_embedded_kafka_controller_port_never_collides() -> None:
 
 def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, monkeypatch,
                                                                spark) -> None:
-    from lakehouse import jars
+    from lakehouse import jars, native_memory
 
     monkeypatch.setenv("IOTLAKE_JARS_DIR", str(tmp_path))
-    plain = "-Dlog4j2.level=WARN -Djdk.nio.maxCachedBufferSize=262144"
+    plain = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(jars.java_binary())))
     assert jars.driver_java_options() == plain  # no archive: plain start
     archive = jars.class_archive()
     archive.parent.mkdir(parents=True)
@@ -148,6 +148,7 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     built = jars.class_archive().is_file()
     assert any(a == f"-XX:SharedArchiveFile={jars.class_archive()}" for a in args) == built, args
     assert spark._jvm.java.lang.System.getProperty("jdk.nio.maxCachedBufferSize") == "262144"
+    assert set(native_memory.jvm_options(jars.java_binary())) <= set(args)
 
 
 def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
