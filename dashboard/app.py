@@ -130,6 +130,7 @@ class Memo:
         return value
 
     def refreshing(self, name: str) -> bool:
+        """Whether a background refresh of ``name`` is running."""
         with self._lock:
             return name in self._refreshing
 

@@ -61,8 +61,8 @@ def java_binary() -> str | None:
 
 
 def driver_java_options(class_data_sharing: bool = True) -> str:
-    """JVM options of the Spark driver: log level, bounded NIO buffer caches
-    and native heap trims (``native_memory.jvm_options``), and the class archive when there is one."""
+    """JVM options of the Spark driver: log level, ``native_memory.jvm_options`` (bounded NIO
+    buffer caches, native heap trims), and the class archive when there is one."""
     opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary())))
     archive = class_archive()
     if class_data_sharing and archive.is_file():
