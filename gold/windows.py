@@ -1,15 +1,17 @@
 """Gold window aggregates per device and metric, on event time with a watermark.
 
 Silver readings are unpivoted to (device_id, metric, event_time, value) and aggregated per
-window: count, mean, min, max, stddev, last value. Update mode + an idempotent MERGE keyed by
+window: count, mean, min, max, stddev, last value. Update mode + an idempotent upsert keyed by
 (device_id, metric, window_start) keeps every window, open ones included, current in Delta
-(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it).
+(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it). The upsert
+replaces the tables' recent rows (``delta_tables.upsert_recent``) rather than MERGEing, so a
+batch rewrites about its own windows however long the day's partition has grown.
 
 Final windows are also appended once to ``gold_metrics_1m_final`` / ``gold_metrics_5m_final``,
 from the same foreachBatch rather than a second append-mode query (which would keep a second
 state store for identical aggregates). A window is final once its end is <= the batch's
 watermark (``offsets/<batch>`` in the checkpoint, the watermark Spark evicts state with):
-Spark drops rows at or below the previous batch's watermark, so after this batch's MERGE no
+Spark drops rows at or below the previous batch's watermark, so after this batch's upsert no
 row can reach such a window again. Batch k appends, read back from the merged tables, the
 windows ending in (watermark of batch k-1, watermark of batch k] (until a new checkpoint's
 watermark leaves zero, the lower bound is the final table's latest window_end): watermarks only grow, so
@@ -32,7 +34,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_tables import append, ensure_named_table, upsert
+from lakehouse.delta_tables import append, ensure_named_table, upsert_recent
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
@@ -43,6 +45,9 @@ FINAL_TABLE = "gold_metrics_1m_final"
 SLIDING_FINAL_TABLE = "gold_metrics_5m_final"
 KEYS = ["device_id", "metric", "window_start"]
 COLUMNS = METRIC_WINDOWS.names
+#: Rows per file of the merged tables, at least (``delta_tables.upsert_recent``: a batch rewrites
+#: the files holding its windows; four times the batch's windows per file, or this).
+MIN_ROWS_PER_FILE = 10_000
 #: The silver columns the window stream reads, for the default telemetry model.
 WINDOW_INPUT = ["device_id", "event_time", *METRICS]
 
@@ -90,6 +95,10 @@ def silver_stream(spark: SparkSession, settings: Settings, columns: list[str] | 
     return df.select(*columns) if columns else df
 
 
+def _utc(epoch_s: int) -> datetime:
+    return datetime.fromtimestamp(epoch_s, UTC)
+
+
 def ts(epoch_s: int) -> str:
     """A SQL timestamp literal (a literal lets Delta skip files by their statistics)."""
     return f"TIMESTAMP'{datetime.fromtimestamp(epoch_s, UTC).isoformat()}'"
@@ -104,7 +113,7 @@ def between(column: str, after_s: int | None, upto_s: int, lower_inclusive: bool
 
 
 class MergeBatch:
-    """foreachBatch: MERGE the updated windows and their sliding windows, then append final ones.
+    """foreachBatch: upsert the updated windows and their sliding windows, then append final ones.
 
     Sliding windows (e.g. 5 minutes every minute) are rolled up from the tumbling ones instead of
     being a second stateful aggregation: count, mean, min, max, stddev and last combine exactly.
@@ -124,16 +133,17 @@ class MergeBatch:
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         spark = df.sparkSession
-        df = df.persist()  # read by the MERGE and by the sliding roll-up
+        df = df.persist()  # read by the upsert and by the sliding roll-up
         try:
             n, lo, hi = df.agg(F.count(F.lit(1)), F.min(F.unix_seconds("window_start")),
                                F.max(F.unix_seconds("window_start"))).first()
             if n:
-                upsert(df.select(*COLUMNS), self.path, KEYS, self.app_id, batch_id,
-                       within=between("t.window_start", lo, hi, lower_inclusive=True))
+                per_file = max(4 * n, MIN_ROWS_PER_FILE)
+                upsert_recent(df.select(*COLUMNS), self.path, KEYS, "window_start", _utc(lo),
+                              self.app_id, batch_id, per_file)
                 sliding = sliding_windows(spark, self.path, df, lo, hi, self.base, self.size, self.every)
-                upsert(sliding, self.slide_path, KEYS, self.app_id, batch_id,
-                       within=between("t.window_start", lo - self.size, hi, lower_inclusive=True))
+                upsert_recent(sliding, self.slide_path, KEYS, "window_start", _utc(lo - self.size),
+                              self.app_id, batch_id, per_file)
             # also on empty (no-data) batches: they exist to advance the watermark
             self.append_final(spark, batch_id)
         finally:

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import TypeVar
 
 import pyarrow as pa
@@ -202,6 +203,72 @@ def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id:
         m.whenNotMatchedInsert(values=cols).execute()
 
     with_txn(spark, app_id, batch_id, lambda: retry_conflicts(run, f"merge into {path}"))
+
+
+def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, since: datetime,
+                  app_id: str, batch_id: int, rows_per_file: int) -> None:
+    """Upsert ``df`` (one row per key, every row's ``column`` >= ``since``) into a table whose
+    rows only change at recent ``column`` values, e.g. event-time windows. Exactly once per
+    (``app_id``, ``batch_id``).
+
+    A MERGE rewrites each file holding a changed row whole, so the file the newest windows
+    live in carries along every older window written with it and grows with every batch (a
+    whole day partition's windows by evening). So this MERGEs only while the files holding rows
+    at or after ``since`` have at most ``rows_per_file`` rows; past that, the rows from the
+    oldest of those files on are replaced in one commit (Delta's ``replaceWhere``), written
+    back sorted by ``column`` in files of at most ``rows_per_file`` rows: closed windows end up
+    in files no later batch touches. A table without file statistics on ``column`` is MERGEd."""
+    from lakehouse.delta_read import open_table
+
+    table_rs = open_table(path)
+    recent = _recent_files(table_rs, column, since)
+    if recent is None or recent[1] <= rows_per_file:
+        upsert(df, path, keys, app_id, batch_id, within=f"t.`{column}` >= {_ts_literal(since)}")
+        return
+    spark = df.sparkSession
+    where = f"`{column}` >= {_ts_literal(recent[0])}"
+    # Delta computes these (e.g. the time bucket) from the rows written back
+    generated = {f.name for f in table_rs.schema().fields if "delta.generationExpression" in f.metadata}
+
+    def run() -> None:
+        table = spark.read.format("delta").load(path)
+        kept = table.where(where).join(df.select(*keys), list(keys), "left_anti")
+        cols = [c for c in table.columns if c not in generated]
+        rows = (kept.select(*cols).unionByName(df.select(*cols)).coalesce(1)
+                .sortWithinPartitions(column))
+        (rows.write.format("delta").mode("overwrite").option("replaceWhere", where)
+         .option("maxRecordsPerFile", str(rows_per_file))
+         .option("txnAppId", app_id).option("txnVersion", str(batch_id)).save(path))
+
+    retry_conflicts(run, f"upsert into {path}")
+
+
+def _recent_files(table_rs, column: str, since: datetime) -> tuple[datetime, int] | None:
+    """(smallest ``column`` value, rows) of the files holding any row at or after ``since``
+    (``since`` and 0 when none do); None when a file lacks statistics on ``column``.
+    ``table_rs``: the table in delta-rs (file statistics without a Spark job)."""
+    adds = table_rs.get_add_actions(flatten=True)
+    if not adds.num_rows:
+        return since, 0
+    lo_name, hi_name = f"min.{column}", f"max.{column}"
+    if lo_name not in adds.column_names or hi_name not in adds.column_names:
+        return None
+    cut, rows = since, 0
+    for lo, hi, n in zip(adds.column(lo_name).to_pylist(), adds.column(hi_name).to_pylist(),
+                         adds.column("num_records").to_pylist(), strict=True):
+        if lo is None or hi is None:
+            return None
+        if _aware(hi) >= since:
+            cut, rows = min(cut, _aware(lo)), rows + (n or 0)
+    return cut, rows
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def _ts_literal(t: datetime) -> str:
+    return f"TIMESTAMP'{_aware(t).astimezone(UTC).strftime('%Y-%m-%d %H:%M:%S.%f')}+00:00'"
 
 
 def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T]) -> T:

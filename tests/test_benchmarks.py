@@ -27,6 +27,7 @@ IN_PROCESS = {
     "silver_dedup": (),
     "silver_throughput": (),
     "silver_throughput --profile sparkplug": ("ratio_to_json", "rows_per_s_json"),
+    "window_merge": ("batch_ms_first", "batch_ms_last", "gold_metrics_1m", "gold_metrics_5m"),
 }
 
 

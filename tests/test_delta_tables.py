@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
@@ -87,3 +88,56 @@ def _metadata(spark, path: str):
     jvm = spark._jvm
     return jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, path).update(
         False, getattr(getattr(jvm.scala, "None$"), "MODULE$"), getattr(getattr(jvm.scala, "None$"), "MODULE$")).metadata()
+
+
+def windows(spark, minutes: range, keys: str = "ab", value: int = 0):
+    """One row per (key, minute) of 2026-11-26 10:xx: ``v`` = minute + ``value``."""
+    data = [(k, m, m + value) for k in keys for m in minutes]
+    return spark.createDataFrame(data, "k string, m int, v long").selectExpr(
+        "k", "timestamp'2026-11-26 10:00:00' + make_interval(0, 0, 0, 0, 0, m, 0) as window_start", "v")
+
+
+def test_upsert_recent_rewrites_only_the_files_of_recent_windows(spark, tmp_path: Path) -> None:
+    path = str(tmp_path / "w")
+    delta_tables.ensure_table(spark, path, windows(spark, range(1)).schema, partition_by=["time_bucket"],
+                              generated={"time_bucket": "date_format(window_start, 'yyyy-MM-dd')"})
+
+    def since(minute: int):
+        from datetime import UTC, datetime
+        return datetime(2026, 11, 26, 10, minute, tzinfo=UTC)
+
+    def upsert(df, minute: int, batch: int) -> None:
+        delta_tables.upsert_recent(df, path, ["k", "window_start"], "window_start", since(minute),
+                                   "app", batch, rows_per_file=4)
+
+    def content() -> dict:
+        t = DeltaTable(path).to_pyarrow_table()
+        return {(k, ws.minute): v for k, ws, v in zip(*(t.column(c).to_pylist() for c in ("k", "window_start", "v")),
+                                                      strict=True)}
+
+    upsert(windows(spark, range(10)), 0, 0)  # 20 rows: a MERGE into the empty table, one file
+    assert len(DeltaTable(path).file_uris()) == 1
+    # minute 9 updated, minute 10 new: the recent files hold more than 4 rows, so the rows from
+    # their oldest window on are replaced, sorted into files of at most 4 rows
+    upsert(windows(spark, range(9, 11), value=100), 9, 1)
+    want = {**{(k, m): m for k in "ab" for m in range(9)}, **{(k, m): m + 100 for k in "ab" for m in (9, 10)}}
+    assert content() == want
+    last = DeltaTable(path).history(1)[0]
+    assert last["operation"] == "WRITE" and int(last["operationMetrics"]["numOutputRows"]) == 22
+    files = set(DeltaTable(path).file_uris())
+    assert len(files) == 6
+    # now minute 10 updated, 11 new: only the newest file (minute 10's 2 rows) is rewritten
+    upsert(windows(spark, range(10, 12), value=200), 10, 2)
+    want |= {(k, m): m + 200 for k in "ab" for m in (10, 11)}
+    assert content() == want
+    now = set(DeltaTable(path).file_uris())
+    assert len(files - now) == 1 and len(now - files) == 1
+    last = DeltaTable(path).history(1)[0]
+    assert last["operation"] == "MERGE" and int(last["operationMetrics"]["numTargetRowsCopied"]) == 0
+    for batch in (1, 2):  # a replayed batch writes nothing
+        upsert(windows(spark, range(9, 12), value=500), 9, batch)
+    assert content() == want and DeltaTable(path).transaction_version("app") == 2
+    # files keep disjoint, sorted ranges of windows
+    adds = pa.table(DeltaTable(path).get_add_actions(flatten=True)).sort_by("min.window_start")
+    lo, hi = adds.column("min.window_start").to_pylist(), adds.column("max.window_start").to_pylist()
+    assert all(h <= nxt for h, nxt in zip(hi, lo[1:], strict=False))
