@@ -17,7 +17,9 @@ the likelihood view knows how surprised it usually is. One view alone misses wha
   spikes (CPU bursts, load-balancer peaks) or a daily on/off switch learns that those are
   normal, and still notices an unusual *drop*. After ``shift_readings`` consecutive same-sign
   exceedances the level (and the slow baseline) re-baselines to the new value: a level shift is
-  reported once, then it is the new normal.
+  reported once, then it is the new normal. Gated (``fast_gate``): the deviation must also
+  exceed the wide view's tracked 99.5% quantile of this key's deviations (below), so a spike no
+  larger than the key's usual bursts is not flagged, however calm the last hours were.
 - **slow** (drifts, contextual / seasonal anomalies): a smoother robust level ``M`` against a slow
   baseline plus a time-of-day profile (``season_bins`` bins over ``season_period`` seconds,
   linearly interpolated), in units of its own robust scale (global and per bin): a gradual
@@ -31,7 +33,9 @@ the likelihood view knows how surprised it usually is. One view alone misses wha
   bursts. The robust local views adapt to a slow change; this one does not.
 - **short / long** (multi-scale): the reading averaged over ~5 (``short_alpha``) and ~50
   (``long_alpha``) readings against the same wide mean, in wide standard deviations: a
-  sustained shift too small for any single reading to stand out.
+  sustained shift too small for any single reading to stand out. The short view is gated
+  like the wide one (``short_tail_k``): beyond a tracked 99.5% quantile of its own deviations,
+  so a key whose bursts last a few readings must beat its own bursts there too.
 - **likelihood** (as in HTM's anomaly likelihood): the views' surprise (the wide one ungated,
   capped at ``lik_cap``) averaged over ~5 readings, against its own long EWMA mean and
   variance: ``lik_k`` standard deviations above its usual level flags. A series that is never
@@ -54,9 +58,9 @@ and the range that view expected.
 Why this method, how the defaults were chosen (a leave-one-category-out check on NAB), the
 figures and the known misses: docs/anomaly.md.
 
-State: 27 scalars + 4 x ``season_bins`` floats (219 doubles, 1,752 bytes per key with the
-defaults). Version-1 rows (before the wide and likelihood views) upgrade in place
-(:func:`upgrade_rows`), without a new warm-up.
+State: 29 scalars + 4 x ``season_bins`` floats (221 doubles, 1,768 bytes per key with the
+defaults). Version-1 rows (before the wide and likelihood views) and version-2 rows (before the
+short view's tail quantiles) upgrade in place (:func:`upgrade_rows`), without a new warm-up.
 
 The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,
 then ~0.25 s to load per process); :func:`score_lanes` runs it over many keys in one call, as
@@ -75,7 +79,7 @@ from functools import lru_cache
 import numba
 import numpy as np
 
-STATE_VERSION = 2.0
+STATE_VERSION = 3.0
 
 
 #: ``model`` codes of ``score_lanes(..., explain=True)``: the view that explains a score.
@@ -129,6 +133,8 @@ class DetectorConfig:
     lik_short_alpha: float = 0.2  # ... averaged over ~5 readings, ...
     lik_alpha: float = 1.0 / 3000  # ... against its own EWMA mean and variance ...
     lik_k: float = 6.0  # ... flags lik_k standard deviations above its mean
+    fast_gate: float = 1.0  # the fast view also needs fast_gate x the wide view's tail quantile
+    short_tail_k: float = 1.0  # the short view also needs short_tail_k x its own tail quantile
 
     def __post_init__(self) -> None:
         problems = []
@@ -154,6 +160,9 @@ class DetectorConfig:
                      "short_k", "long_k", "lik_cap", "lik_k", "wide_tail_k"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
+        for name in ("fast_gate", "short_tail_k"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0 (0 = off)")
         if problems:
             raise ValueError("invalid DetectorConfig: " + "; ".join(problems))
 
@@ -178,6 +187,7 @@ _SCALARS: tuple[str, ...] = (
     "short_mean", "long_mean",  # short- and long-smoothed value
     "lik_short", "lik_mean", "lik_var",  # likelihood view: short mean of the surprise, its stats
     "wide_tail_up", "wide_tail_dn",  # wide view: tail quantiles of reading - wide mean
+    "short_tail_up", "short_tail_dn",  # short view: tail quantiles of short mean - wide mean
 )
 _ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
 
@@ -228,6 +238,8 @@ class DetectorState:
     lik_var: float = 0.0
     wide_tail_up: float = 0.0
     wide_tail_dn: float = 0.0
+    short_tail_up: float = 0.0
+    short_tail_dn: float = 0.0
     season: list[float] = field(default_factory=list)
     season_visits: list[float] = field(default_factory=list)
     bin_scale_fast: list[float] = field(default_factory=list)
@@ -242,9 +254,11 @@ class DetectorState:
     def from_row(cls, row: Sequence[float]) -> DetectorState:
         """Inverse of :meth:`to_row` (the number of bins follows from the row's length)."""
         row = [float(v) for v in row]
-        if row and row[0] == 1.0 and (len(row) - _V1_SCALARS) % len(_ARRAYS) == 0:
-            k1 = (len(row) - _V1_SCALARS) // len(_ARRAYS)
-            row = upgrade_rows([row], DetectorConfig(season_bins=k1))[0].tolist()
+        for version, scalars in ((1.0, _V1_SCALARS), (2.0, _V2_SCALARS)):
+            if row and row[0] == version and (len(row) - scalars) % len(_ARRAYS) == 0:
+                k1 = (len(row) - scalars) // len(_ARRAYS)
+                row = upgrade_rows([row], DetectorConfig(season_bins=k1))[0].tolist()
+                break
         ns = len(_SCALARS)
         if len(row) < ns or (len(row) - ns) % len(_ARRAYS):
             raise ValueError(f"state row of {len(row)} values does not match the layout")
@@ -267,33 +281,43 @@ def initial_state(config: DetectorConfig | None = None) -> DetectorState:
                          bin_scale_fast=[0.0] * k, bin_scale_slow=[0.0] * k)
 
 
-#: Scalars of state version 1 (the rest of ``_SCALARS`` were added in version 2).
+#: Scalars of state versions 1 and 2 (the rest of ``_SCALARS`` were added by the next version).
 _V1_SCALARS = 18
+_V2_SCALARS = 27
 
 
 def upgrade_rows(rows: np.ndarray, config: DetectorConfig | None = None) -> np.ndarray:
-    """State rows of an older layout (version 1) as rows of this one, without re-warm-up.
+    """State rows of an older layout (version 1 or 2) as rows of this one, without re-warm-up.
 
     The views added since start conservatively: the wide view from the level, fast scale and
-    time-of-day profile, the likelihood view with a wide variance (it calms down as it learns).
+    time-of-day profile, the likelihood view with a wide variance (it calms down as it learns)
+    (version 1); the short view's tail quantiles from the wide view's, which are wider than
+    the short mean's own, so the short view is quieter until they have decayed (version 2; a
+    version-1 row has no wide tails yet, so both are learnt from the next readings, as for a
+    new key).
     Rows already at this version pass through.
     """
     rows = np.array(rows, dtype=np.float64, ndmin=2)
     k = (config or DetectorConfig()).season_bins
     if rows.shape[1] == len(_SCALARS) + len(_ARRAYS) * k and np.all(rows[:, 0] == STATE_VERSION):
         return rows
-    if rows.shape[1] != _V1_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 1.0):
-        raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1 nor "
-                         f"{STATE_VERSION} with {k} season bins")
     cfg = config or DetectorConfig()
-    season = rows[:, _V1_SCALARS:_V1_SCALARS + k]
-    f_up, f_dn, base = rows[:, 5], rows[:, 6], rows[:, 9]
-    kept = 1.0 - cfg.wide_season  # the share of the daily profile the wide views see
-    wide_mean = base + kept * season.mean(axis=1)
-    wide_var = (0.625 * (f_up + f_dn)) ** 2 + kept ** 2 * season.var(axis=1)
-    z = np.zeros(len(rows))
-    added = np.column_stack([wide_mean, wide_var, wide_mean, wide_mean, z, z, z + 1.0, z, z])
-    out = np.hstack([rows[:, :_V1_SCALARS], added, rows[:, _V1_SCALARS:]])
+    if rows.shape[1] == _V1_SCALARS + len(_ARRAYS) * k and np.all(rows[:, 0] == 1.0):
+        season = rows[:, _V1_SCALARS:_V1_SCALARS + k]
+        f_up, f_dn, base = rows[:, 5], rows[:, 6], rows[:, 9]
+        kept = 1.0 - cfg.wide_season  # the share of the daily profile the wide views see
+        wide_mean = base + kept * season.mean(axis=1)
+        wide_var = (0.625 * (f_up + f_dn)) ** 2 + kept ** 2 * season.var(axis=1)
+        z = np.zeros(len(rows))
+        added = np.column_stack([wide_mean, wide_var, wide_mean, wide_mean, z, z, z + 1.0, z, z])
+        rows = np.hstack([rows[:, :_V1_SCALARS], added, rows[:, _V1_SCALARS:]])
+        rows[:, 0] = 2.0
+    if rows.shape[1] != _V2_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 2.0):
+        raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1, 2 nor "
+                         f"{STATE_VERSION} with {k} season bins")
+    wt_up, wt_dn = rows[:, 25], rows[:, 26]  # version 1 rows: 0, learnt from the next reading
+    out = np.hstack([rows[:, :_V2_SCALARS], np.column_stack([wt_up, wt_dn]),
+                     rows[:, _V2_SCALARS:]])
     out[:, 0] = STATE_VERSION
     return out
 
@@ -319,7 +343,7 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
         cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
         1.0 / cfg.slow_margin, 1.0 / cfg.flat_margin,
         cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k, cfg.wide_season, cfg.lik_cap, cfg.lik_short_alpha, cfg.lik_alpha,
-        cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up))
+        cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up, cfg.fast_gate, cfg.short_tail_k))
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
@@ -399,7 +423,8 @@ def _kernel(xs, ts, offs, states, k, p):
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
      c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
      inv_ms, inv_mf,
-     a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l, k_t, wq_dn, wq_up) = p
+     a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l, k_t, wq_dn, wq_up,
+     k_fg, k_st) = p
     total = xs.size
     scores = np.zeros(total)
     base_out = np.full(total, np.nan)
@@ -408,7 +433,7 @@ def _kernel(xs, ts, offs, states, k, p):
     model_out = np.zeros(total, dtype=np.int8)
     flags = np.zeros(total, dtype=np.bool_)
     n_out = np.zeros(total)
-    o_s = 27  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 27 scalars
+    o_s = 29  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 29 scalars
     o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
     for lane in range(offs.size - 1):
         row = states[lane]
@@ -425,6 +450,7 @@ def _kernel(xs, ts, offs, states, k, p):
         w_m, w_v, sh_m, lo_m = row[18], row[19], row[20], row[21]
         l_s, l_m, l_v = row[22], row[23], row[24]
         wt_up, wt_dn = row[25], row[26]
+        st_up, st_dn = row[27], row[28]
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
@@ -538,6 +564,9 @@ def _kernel(xs, ts, offs, states, k, p):
                     sd_w = fl_
                 dw = xw - w_m
                 zw = abs(dw) / (k_w * sd_w)  # ungated: what the likelihood view counts
+                # the fast view's gate: beyond this key's own tail of deviations (before update)
+                g_up = k_fg * wt_up
+                g_dn = k_fg * wt_dn
                 # gated: a deviation must also be unusual for this key's own tail (bursts)
                 w_up = k_w * sd_w
                 w_dn = w_up
@@ -549,7 +578,26 @@ def _kernel(xs, ts, offs, states, k, p):
                     zwg = abs(dw) / (w_up if dw >= 0.0 else w_dn)
                 else:
                     zwg = 0.0
-                zsh = abs(sh_m - w_m) / (k_sh * sd_w)
+                dsh = sh_m - w_m
+                zsh = abs(dsh) / (k_sh * sd_w)
+                # gated: the short mean must also be unusual for its own tail (bursts)
+                s_lim = k_sh * sd_w
+                if k_st > 0.0:
+                    gs_ = st_up if dsh >= 0.0 else st_dn
+                    if gs_ > 0.0:
+                        if k_st * gs_ > s_lim:
+                            s_lim = k_st * gs_
+                            zsh = abs(dsh) / s_lim
+                    else:
+                        zsh = 0.0
+                    if dsh > st_up:
+                        st_up = (dsh if dsh < st_up * wq_up else st_up * wq_up) if st_up > 0.0 else dsh
+                    else:
+                        st_up *= wq_dn
+                    if -dsh > st_dn:
+                        st_dn = (-dsh if -dsh < st_dn * wq_up else st_dn * wq_up) if st_dn > 0.0 else -dsh
+                    else:
+                        st_dn *= wq_dn
                 zlo = abs(lo_m - w_m) / (k_lo * sd_w)
                 aw = a_w if a_w > inv else inv
                 w_m += aw * dw
@@ -566,7 +614,18 @@ def _kernel(xs, ts, offs, states, k, p):
                 # the most surprised view explains the score: its code, expected value, range
                 z = zf * inv_margin
                 which = 1
-                bo, lo, hi = base_f, base_f - d_dn / inv_margin, base_f + d_up / inv_margin
+                f_lo = d_dn / inv_margin
+                f_hi = d_up / inv_margin
+                if k_fg > 0.0 and (g_up if rf >= 0.0 else g_dn) > 0.0:
+                    # a spike within this key's usual range (its bursts) is not one
+                    zg = arf / (g_up if rf >= 0.0 else g_dn)
+                    if zg < z:
+                        z = zg
+                    if g_up > f_hi:
+                        f_hi = g_up
+                    if g_dn > f_lo:
+                        f_lo = g_dn
+                bo, lo, hi = base_f, base_f - f_lo, base_f + f_hi
                 if zsl * inv_ms > z:
                     z = zsl * inv_ms
                     which = 2
@@ -582,7 +641,7 @@ def _kernel(xs, ts, offs, states, k, p):
                 if zsh > z:
                     z = zsh
                     which = 5
-                    bo, lo, hi = wm0, wm0 - k_sh * sd_w, wm0 + k_sh * sd_w
+                    bo, lo, hi = wm0, wm0 - s_lim, wm0 + s_lim
                 if zlo > z:
                     z = zlo
                     which = 6
@@ -704,6 +763,7 @@ def _kernel(xs, ts, offs, states, k, p):
             row[18], row[19], row[20], row[21] = w_m, w_v, sh_m, lo_m
             row[22], row[23], row[24] = l_s, l_m, l_v
             row[25], row[26] = wt_up, wt_dn
+            row[27], row[28] = st_up, st_dn
     return scores, base_out, flags, n_out, model_out, lo_out, hi_out
 
 

@@ -159,7 +159,7 @@ def test_score_lanes_equals_score_batch_per_lane_in_any_chunking() -> None:
 def test_state_row_layout() -> None:
     st = initial_state()
     row = st.to_row()
-    assert len(row) == len(STATE_FIELDS) == 27 + 4 * DetectorConfig().season_bins
+    assert len(row) == len(STATE_FIELDS) == 29 + 4 * DetectorConfig().season_bins
     assert all(isinstance(v, float) for v in row)
     assert all(typ == "double" for _, typ in STATE_FIELDS)
     assert len({name for name, _ in STATE_FIELDS}) == len(STATE_FIELDS)
@@ -271,9 +271,43 @@ def test_version_1_state_continues_without_warm_up() -> None:
     np.testing.assert_array_equal(upgrade_rows(up, cfg), up)  # current rows pass through
     with pytest.raises(ValueError, match="neither"):
         upgrade_rows(v1[None, :-1], cfg)
-    # the same as the state kept at version 2, but for the views the upgrade had to guess
+    # the same as the state kept at the current version, but for the views the upgrade guessed
     np.testing.assert_array_equal(f, score_lanes(x[4000:], t[4000:], [0, n - 4000],
                                                  row[None, :], cfg)[2])
+
+
+def test_version_2_state_continues_without_warm_up() -> None:
+    """A version-2 row (before the short view's tail quantiles) upgrades without a warm-up."""
+    import gold.health as health
+    from gold.anomaly import _V2_SCALARS, upgrade_rows
+
+    rng = np.random.default_rng(4)
+    n = 6000
+    t = T0 + 300.0 * np.arange(n)
+    x = 50.0 + 5.0 * np.sin(2 * np.pi * t / 86400) + rng.normal(0.0, 1.0, n)
+    x[5000] += 30.0
+    cfg = DetectorConfig()
+    _, _, _, st = score_batch(x[:4000], t[:4000], None, cfg)
+    row = np.asarray(st.to_row())
+    v2 = np.r_[2.0, row[1:_V2_SCALARS], row[row.size - 4 * cfg.season_bins:]]
+    up = upgrade_rows(v2[None, :], cfg)
+    assert up.shape == (1, len(STATE_FIELDS)) and up[0, 0] == row[0]
+    np.testing.assert_array_equal(up[0, :_V2_SCALARS], np.r_[row[0], row[1:_V2_SCALARS]])
+    assert up[0, _V2_SCALARS] == row[25] and up[0, _V2_SCALARS + 1] == row[26]  # wide tails
+    assert DetectorState.from_row(v2.tolist()).to_row() == tuple(up[0])
+    _, _, f, nb, _ = score_lanes(x[4000:], t[4000:], [0, n - 4000], up, cfg)
+    assert nb[0] == 4000
+    assert np.flatnonzero(f).tolist() == [1000]
+    with pytest.raises(ValueError, match="neither"):
+        upgrade_rows(v2[None, :-1], cfg)
+    # through gold.health's state encoding as well
+    k = len(health.METRICS)
+    b = health.Bucket.empty(v2.size, k)
+    b.index(np.array(["dev-1"], dtype=object))
+    b.dets[0, 0] = v2
+    b.det_set[0, 0] = True
+    got = health.load_devices(health.dump_devices(b), len(STATE_FIELDS), cfg=cfg)
+    np.testing.assert_array_equal(got.dets[0, 0], up[0])
 
 
 def test_health_state_of_version_1_loads_upgraded() -> None:
