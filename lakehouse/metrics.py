@@ -14,9 +14,10 @@ import json
 import logging
 import threading
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from prometheus_client import Counter, Gauge
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
@@ -246,10 +247,19 @@ class MetricsListener(StreamingQueryListener):
                 # Roles in separate processes (``run --role``) MERGE into this table at the same
                 # time: upsert retries commit conflicts (the MERGE is keyed: a retry is harmless)
                 upsert(self.spark.createDataFrame(data), self.path, ["query_id", "batch_id"],
-                       self._app_id, self._flushes)
+                       self._app_id, self._flushes, within=_recent(data))
                 self._flushes += 1
             except Exception:  # noqa: BLE001
                 log.exception("could not write pipeline_metrics; %d rows dropped", len(rows))
+
+
+def _recent(data: pa.Table) -> str | None:
+    """A MERGE condition that spares the scan of the table's older days (7 by default): the
+    reports of one batch (again, or after a restart) come within a day of each other."""
+    first = pc.min(data.column("timestamp")).as_py()
+    if first is None:
+        return None
+    return f"t.`timestamp` >= TIMESTAMP'{(first - timedelta(days=1)).isoformat()}'"
 
 
 def install(spark, settings) -> MetricsListener:
