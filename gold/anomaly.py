@@ -418,6 +418,15 @@ def _njit_cached(fn):
 
 
 @_njit_cached
+def _tail(q, d, grow, decay):
+    """A tracked tail quantile of one side's deviations: ``d`` beyond it raises it (by at most
+    ``grow`` x), anything else lets it decay."""
+    if d > q:
+        return (d if d < q * grow else q * grow) if q > 0.0 else d
+    return q * decay
+
+
+@_njit_cached
 def _kernel(xs, ts, offs, states, k, p):
     """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
@@ -590,26 +599,14 @@ def _kernel(xs, ts, offs, states, k, p):
                             zsh = abs(dsh) / s_lim
                     else:
                         zsh = 0.0
-                    if dsh > st_up:
-                        st_up = (dsh if dsh < st_up * wq_up else st_up * wq_up) if st_up > 0.0 else dsh
-                    else:
-                        st_up *= wq_dn
-                    if -dsh > st_dn:
-                        st_dn = (-dsh if -dsh < st_dn * wq_up else st_dn * wq_up) if st_dn > 0.0 else -dsh
-                    else:
-                        st_dn *= wq_dn
+                    st_up = _tail(st_up, dsh, wq_up, wq_dn)
+                    st_dn = _tail(st_dn, -dsh, wq_up, wq_dn)
                 zlo = abs(lo_m - w_m) / (k_lo * sd_w)
                 aw = a_w if a_w > inv else inv
                 w_m += aw * dw
                 w_v = (1.0 - aw) * (w_v + aw * dw * dw)
-                if dw > wt_up:
-                    wt_up = (dw if dw < wt_up * wq_up else wt_up * wq_up) if wt_up > 0.0 else dw
-                else:
-                    wt_up *= wq_dn
-                if -dw > wt_dn:
-                    wt_dn = (-dw if -dw < wt_dn * wq_up else wt_dn * wq_up) if wt_dn > 0.0 else -dw
-                else:
-                    wt_dn *= wq_dn
+                wt_up = _tail(wt_up, dw, wq_up, wq_dn)
+                wt_dn = _tail(wt_dn, -dw, wq_up, wq_dn)
 
                 # the most surprised view explains the score: its code, expected value, range
                 z = zf * inv_margin

@@ -248,18 +248,24 @@ def test_explain_names_the_view_and_its_expected_range() -> None:
     assert MODELS[model[1500]] in ("fast", "wide") and x[1500] < low[1500]
 
 
-def test_version_1_state_continues_without_warm_up() -> None:
-    """A state row of the previous layout is upgraded: no re-warm-up, no burst of flags."""
-    from gold.anomaly import _V1_SCALARS, upgrade_rows
-
-    rng = np.random.default_rng(3)
+def _warm_row(seed: int) -> tuple[np.ndarray, np.ndarray, DetectorConfig, np.ndarray]:
+    """6,000 daily-cycle readings with a spike at 5,000, and the state after the first 4,000."""
+    rng = np.random.default_rng(seed)
     n = 6000
     t = T0 + 300.0 * np.arange(n)
     x = 50.0 + 5.0 * np.sin(2 * np.pi * t / 86400) + rng.normal(0.0, 1.0, n)
     x[5000] += 30.0
     cfg = DetectorConfig()
     _, _, _, st = score_batch(x[:4000], t[:4000], None, cfg)
-    row = np.asarray(st.to_row())
+    return x, t, cfg, np.asarray(st.to_row())
+
+
+def test_version_1_state_continues_without_warm_up() -> None:
+    """A state row of the previous layout is upgraded: no re-warm-up, no burst of flags."""
+    from gold.anomaly import _V1_SCALARS, upgrade_rows
+
+    x, t, cfg, row = _warm_row(3)
+    n = x.size
     v1 = np.r_[1.0, row[1:_V1_SCALARS], row[len(initial_state().to_row()) - 4 * cfg.season_bins:]]
     assert v1.size == _V1_SCALARS + 4 * cfg.season_bins
     up = upgrade_rows(v1[None, :], cfg)
@@ -281,14 +287,8 @@ def test_version_2_state_continues_without_warm_up() -> None:
     import gold.health as health
     from gold.anomaly import _V2_SCALARS, upgrade_rows
 
-    rng = np.random.default_rng(4)
-    n = 6000
-    t = T0 + 300.0 * np.arange(n)
-    x = 50.0 + 5.0 * np.sin(2 * np.pi * t / 86400) + rng.normal(0.0, 1.0, n)
-    x[5000] += 30.0
-    cfg = DetectorConfig()
-    _, _, _, st = score_batch(x[:4000], t[:4000], None, cfg)
-    row = np.asarray(st.to_row())
+    x, t, cfg, row = _warm_row(4)
+    n = x.size
     v2 = np.r_[2.0, row[1:_V2_SCALARS], row[row.size - 4 * cfg.season_bins:]]
     up = upgrade_rows(v2[None, :], cfg)
     assert up.shape == (1, len(STATE_FIELDS)) and up[0, 0] == row[0]
