@@ -4,8 +4,9 @@ Silver readings are unpivoted to (device_id, metric, event_time, value) and aggr
 window: count, mean, min, max, stddev, last value. Update mode + an idempotent upsert keyed by
 (device_id, metric, window_start) keeps every window, open ones included, current in Delta
 (``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it). The upsert
-replaces the tables' recent rows (``delta_tables.upsert_recent``) rather than MERGEing, so a
-batch rewrites about its own windows however long the day's partition has grown.
+(``delta_tables.upsert_recent``) MERGEs while the files of recent windows are small and
+otherwise replaces the recent rows in sorted, bounded files, so a batch rewrites about its own
+windows however long the day's partition has grown.
 
 Final windows are also appended once to ``gold_metrics_1m_final`` / ``gold_metrics_5m_final``,
 from the same foreachBatch rather than a second append-mode query (which would keep a second
