@@ -673,14 +673,8 @@ def _kernel(xs, ts, offs, states, k, p):
                         lim = c * f_dn if n > 10.0 else arf
                         f_dn += a * (2.0 * (arf if arf < lim else lim) - f_dn)
                         f_up -= a * f_up
-                if rf > t_up:
-                    t_up = (rf if rf < t_up * q_up else t_up * q_up) if t_up > 0.0 else rf
-                else:
-                    t_up *= q_dn
-                if -rf > t_dn:
-                    t_dn = (-rf if -rf < t_dn * q_up else t_dn * q_up) if t_dn > 0.0 else -rf
-                else:
-                    t_dn *= q_dn
+                t_up = _tail(t_up, rf, q_up, q_dn)
+                t_dn = _tail(t_dn, -rf, q_up, q_dn)
 
                 # slow baseline and scales
                 ms = 0.5 * (s_up + s_dn)

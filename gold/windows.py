@@ -35,7 +35,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_tables import append, ensure_named_table, upsert_recent
+from lakehouse.delta_tables import append, ensure_named_table, timestamp_literal, upsert_recent
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
@@ -102,7 +102,7 @@ def _utc(epoch_s: int) -> datetime:
 
 def ts(epoch_s: int) -> str:
     """A SQL timestamp literal (a literal lets Delta skip files by their statistics)."""
-    return f"TIMESTAMP'{datetime.fromtimestamp(epoch_s, UTC).isoformat()}'"
+    return timestamp_literal(_utc(epoch_s))
 
 
 def between(column: str, after_s: int | None, upto_s: int, lower_inclusive: bool = False) -> str:

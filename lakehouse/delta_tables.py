@@ -223,10 +223,10 @@ def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, si
     table_rs = open_table(path)
     recent = _recent_files(table_rs, column, since)
     if recent is None or recent[1] <= rows_per_file:
-        upsert(df, path, keys, app_id, batch_id, within=f"t.`{column}` >= {_ts_literal(since)}")
+        upsert(df, path, keys, app_id, batch_id, within=f"t.`{column}` >= {timestamp_literal(since)}")
         return
     spark = df.sparkSession
-    where = f"`{column}` >= {_ts_literal(recent[0])}"
+    where = f"`{column}` >= {timestamp_literal(recent[0])}"
     # Delta computes these (e.g. the time bucket) from the rows written back
     generated = {f.name for f in table_rs.schema().fields if "delta.generationExpression" in f.metadata}
 
@@ -267,8 +267,9 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-def _ts_literal(t: datetime) -> str:
-    return f"TIMESTAMP'{_aware(t).astimezone(UTC).strftime('%Y-%m-%d %H:%M:%S.%f')}+00:00'"
+def timestamp_literal(t: datetime) -> str:
+    """A Spark SQL timestamp literal (in a condition, Delta skips files by their statistics)."""
+    return f"TIMESTAMP'{_aware(t).astimezone(UTC).isoformat()}'"
 
 
 def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T]) -> T:

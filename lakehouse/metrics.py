@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
 from lakehouse.delta_read import latest_version
-from lakehouse.delta_tables import ensure_named_table, upsert
+from lakehouse.delta_tables import ensure_named_table, timestamp_literal, upsert
 from lakehouse.tables import PIPELINE_METRICS
 
 log = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ def _recent(data: pa.Table) -> str | None:
     first = pc.min(data.column("timestamp")).as_py()
     if first is None:
         return None
-    return f"t.`timestamp` >= TIMESTAMP'{(first - timedelta(days=1)).isoformat()}'"
+    return f"t.`timestamp` >= {timestamp_literal(first - timedelta(days=1))}"
 
 
 def install(spark, settings) -> MetricsListener:

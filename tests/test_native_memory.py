@@ -42,7 +42,6 @@ def test_freed_blocks_inside_the_heap_are_released() -> None:
             libc.free(b)
 
 
-
 def test_jvm_options_trim_the_native_heap_only_where_the_jvm_accepts_it() -> None:
     """JDK 17 builds before the flag refuse to start with it: probed, left out there."""
     from lakehouse.jars import java_binary
