@@ -41,6 +41,14 @@ the likelihood view knows how surprised it usually is. One view alone misses wha
   variance: ``lik_k`` standard deviations above its usual level flags. A series that is never
   surprised gets sensitive; one that always is, does not.
 
+**Count scale** (``count_scale``): a key whose readings are all non-negative integers through
+its warm-up (event counts: tweets, requests, errors) is scored on Anscombe's scale
+``2 sqrt(x + 3/8)``, where Poisson noise has a standard deviation of about 1 at any level, so a
+burst at a busy hour and one at a quiet hour are weighed alike. Every view works on that scale;
+the expected value and range are reported back in the reading's units. A key that sends
+anything else (a fraction, a negative) during its warm-up forgets what it learnt and starts on
+the raw scale from that reading (nothing is flagged during the warm-up, so nothing is lost).
+
 The local views flag at ``local_margin`` / ``slow_margin`` / ``flat_margin`` x their own
 boundaries (the wide views do most of the flagging). Scales of a local model stop learning
 while it says "anomalous" (so a long anomaly does not teach itself to be normal), except the
@@ -58,9 +66,10 @@ and the range that view expected.
 Why this method, how the defaults were chosen (a leave-one-category-out check on NAB), the
 figures and the known misses: docs/anomaly.md.
 
-State: 29 scalars + 4 x ``season_bins`` floats (221 doubles, 1,768 bytes per key with the
-defaults). Version-1 rows (before the wide and likelihood views) and version-2 rows (before the
-short view's tail quantiles) upgrade in place (:func:`upgrade_rows`), without a new warm-up.
+State: 30 scalars + 4 x ``season_bins`` floats (222 doubles, 1,776 bytes per key with the
+defaults). Version-1 rows (before the wide and likelihood views), version-2 rows (before the
+short view's tail quantiles) and version-3 rows (before the count scale; they stay on the raw
+scale) upgrade in place (:func:`upgrade_rows`), without a new warm-up.
 
 The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,
 then ~0.25 s to load per process); :func:`score_lanes` runs it over many keys in one call, as
@@ -79,7 +88,7 @@ from functools import lru_cache
 import numba
 import numpy as np
 
-STATE_VERSION = 3.0
+STATE_VERSION = 4.0
 
 
 #: ``model`` codes of ``score_lanes(..., explain=True)``: the view that explains a score.
@@ -116,25 +125,27 @@ class DetectorConfig:
     flat_factor: float = 2.0  # ... and more than flat_factor x the longest recent run
     flat_decay: float = 0.999  # per-reading decay of the remembered longest run
     scale_floor: float = 1e-6  # relative floor of every scale: 1e-6 x (1 + |x|)
-    local_margin: float = 2.5  # the fast model flags at local_margin x its own boundary, ...
+    local_margin: float = 2.0  # the fast model flags at local_margin x its own boundary, ...
     slow_margin: float = 1.5  # ... the slow one at slow_margin x its own, ...
     flat_margin: float = 2.5  # ... the flat-line one at flat_margin x its own
     wide_alpha: float = 1.0 / 3000  # wide view: EWMA mean/variance of the raw value
-    wide_k: float = 7.0  # raw reading vs the wide mean, in wide standard deviations, and ...
-    wide_tail_k: float = 1.5  # ... in units of a tracked tail quantile of |reading - wide mean|
+    wide_k: float = 6.0  # raw reading vs the wide mean, in wide standard deviations, and ...
+    wide_tail_k: float = 2.0  # ... in units of a tracked tail quantile of |reading - wide mean|
     wide_tail_quantile: float = 0.995
     wide_tail_rate: float = 0.0005  # quantile tracker: relative decay per reading
     short_alpha: float = 0.2  # short-smoothed value (~5 readings) vs the wide mean ...
     short_k: float = 3.5  # ... in wide standard deviations
     long_alpha: float = 0.02  # long-smoothed value (~50 readings) vs the wide mean ...
     long_k: float = 2.0  # ... in wide standard deviations
-    wide_season: float = 0.0  # weight of the time-of-day profile taken off before the wide views
+    wide_season: float = 1.0  # weight of the time-of-day profile taken off before the wide views
     lik_cap: float = 2.0  # likelihood view: the views' surprise, capped at lik_cap, ...
     lik_short_alpha: float = 0.2  # ... averaged over ~5 readings, ...
     lik_alpha: float = 1.0 / 3000  # ... against its own EWMA mean and variance ...
     lik_k: float = 6.0  # ... flags lik_k standard deviations above its mean
     fast_gate: float = 1.0  # the fast view also needs fast_gate x the wide view's tail quantile
     short_tail_k: float = 1.0  # the short view also needs short_tail_k x its own tail quantile
+    count_scale: bool = True  # a key whose warm-up readings are all non-negative integers
+    # (counts) is scored on the Anscombe scale 2 sqrt(x + 3/8), where Poisson noise has sd ~1
 
     def __post_init__(self) -> None:
         problems = []
@@ -188,6 +199,7 @@ _SCALARS: tuple[str, ...] = (
     "lik_short", "lik_mean", "lik_var",  # likelihood view: short mean of the surprise, its stats
     "wide_tail_up", "wide_tail_dn",  # wide view: tail quantiles of reading - wide mean
     "short_tail_up", "short_tail_dn",  # short view: tail quantiles of short mean - wide mean
+    "counts",  # 1: scored on the count scale (every warm-up reading a non-negative integer)
 )
 _ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
 
@@ -240,6 +252,7 @@ class DetectorState:
     wide_tail_dn: float = 0.0
     short_tail_up: float = 0.0
     short_tail_dn: float = 0.0
+    counts: float = 1.0
     season: list[float] = field(default_factory=list)
     season_visits: list[float] = field(default_factory=list)
     bin_scale_fast: list[float] = field(default_factory=list)
@@ -254,7 +267,7 @@ class DetectorState:
     def from_row(cls, row: Sequence[float]) -> DetectorState:
         """Inverse of :meth:`to_row` (the number of bins follows from the row's length)."""
         row = [float(v) for v in row]
-        for version, scalars in ((1.0, _V1_SCALARS), (2.0, _V2_SCALARS)):
+        for version, scalars in ((1.0, _V1_SCALARS), (2.0, _V2_SCALARS), (3.0, _V3_SCALARS)):
             if row and row[0] == version and (len(row) - scalars) % len(_ARRAYS) == 0:
                 k1 = (len(row) - scalars) // len(_ARRAYS)
                 row = upgrade_rows([row], DetectorConfig(season_bins=k1))[0].tolist()
@@ -281,20 +294,22 @@ def initial_state(config: DetectorConfig | None = None) -> DetectorState:
                          bin_scale_fast=[0.0] * k, bin_scale_slow=[0.0] * k)
 
 
-#: Scalars of state versions 1 and 2 (the rest of ``_SCALARS`` were added by the next version).
+#: Scalars of state versions 1, 2 and 3 (the rest of ``_SCALARS`` were added by later versions).
 _V1_SCALARS = 18
 _V2_SCALARS = 27
+_V3_SCALARS = 29
 
 
 def upgrade_rows(rows: np.ndarray, config: DetectorConfig | None = None) -> np.ndarray:
-    """State rows of an older layout (version 1 or 2) as rows of this one, without re-warm-up.
+    """State rows of an older layout (version 1, 2 or 3) as rows of this one, without re-warm-up.
 
     The views added since start conservatively: the wide view from the level, fast scale and
     time-of-day profile, the likelihood view with a wide variance (it calms down as it learns)
     (version 1); the short view's tail quantiles from the wide view's, which are wider than
     the short mean's own, so the short view is quieter until they have decayed (version 2; a
     version-1 row has no wide tails yet, so both are learnt from the next readings, as for a
-    new key).
+    new key); a version-3 row was learnt on the raw scale and stays there (``counts`` 0), so
+    its key goes on exactly as before.
     Rows already at this version pass through.
     """
     rows = np.array(rows, dtype=np.float64, ndmin=2)
@@ -312,12 +327,15 @@ def upgrade_rows(rows: np.ndarray, config: DetectorConfig | None = None) -> np.n
         added = np.column_stack([wide_mean, wide_var, wide_mean, wide_mean, z, z, z + 1.0, z, z])
         rows = np.hstack([rows[:, :_V1_SCALARS], added, rows[:, _V1_SCALARS:]])
         rows[:, 0] = 2.0
-    if rows.shape[1] != _V2_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 2.0):
-        raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1, 2 nor "
+    if rows.shape[1] == _V2_SCALARS + len(_ARRAYS) * k and np.all(rows[:, 0] == 2.0):
+        wt_up, wt_dn = rows[:, 25], rows[:, 26]  # version 1 rows: 0, learnt from the next reading
+        rows = np.hstack([rows[:, :_V2_SCALARS], np.column_stack([wt_up, wt_dn]),
+                          rows[:, _V2_SCALARS:]])
+        rows[:, 0] = 3.0
+    if rows.shape[1] != _V3_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 3.0):
+        raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1, 2, 3 nor "
                          f"{STATE_VERSION} with {k} season bins")
-    wt_up, wt_dn = rows[:, 25], rows[:, 26]  # version 1 rows: 0, learnt from the next reading
-    out = np.hstack([rows[:, :_V2_SCALARS], np.column_stack([wt_up, wt_dn]),
-                     rows[:, _V2_SCALARS:]])
+    out = np.hstack([rows[:, :_V3_SCALARS], np.zeros((len(rows), 1)), rows[:, _V3_SCALARS:]])
     out[:, 0] = STATE_VERSION
     return out
 
@@ -343,7 +361,8 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
         cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
         1.0 / cfg.slow_margin, 1.0 / cfg.flat_margin,
         cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k, cfg.wide_season, cfg.lik_cap, cfg.lik_short_alpha, cfg.lik_alpha,
-        cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up, cfg.fast_gate, cfg.short_tail_k))
+        cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up, cfg.fast_gate, cfg.short_tail_k,
+        1.0 if cfg.count_scale else 0.0))
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
@@ -417,6 +436,23 @@ def _njit_cached(fn):
         return numba.njit(fn)
 
 
+_C0 = 2.0 * math.sqrt(0.375)  # the count scale of a zero reading
+_C1 = math.sqrt(0.375)  # its slope there is 1 / _C1
+
+
+@_njit_cached
+def _to_count_scale(x):
+    """Anscombe's 2 sqrt(x + 3/8) (Poisson counts: sd ~1 at any level); below 0 (not a count,
+    after the warm-up) its tangent at 0, so the map stays monotone and invertible."""
+    return 2.0 * np.sqrt(x + 0.375) if x >= 0.0 else _C0 + x / _C1
+
+
+@_njit_cached
+def _from_count_scale(y):
+    """Inverse of :func:`_to_count_scale`."""
+    return 0.25 * y * y - 0.375 if y >= _C0 else (y - _C0) * _C1
+
+
 @_njit_cached
 def _tail(q, d, grow, decay):
     """A tracked tail quantile of one side's deviations: ``d`` beyond it raises it (by at most
@@ -433,7 +469,7 @@ def _kernel(xs, ts, offs, states, k, p):
      c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
      inv_ms, inv_mf,
      a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l, k_t, wq_dn, wq_up,
-     k_fg, k_st) = p
+     k_fg, k_st, k_ct) = p
     total = xs.size
     scores = np.zeros(total)
     base_out = np.full(total, np.nan)
@@ -442,7 +478,7 @@ def _kernel(xs, ts, offs, states, k, p):
     model_out = np.zeros(total, dtype=np.int8)
     flags = np.zeros(total, dtype=np.bool_)
     n_out = np.zeros(total)
-    o_s = 29  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 29 scalars
+    o_s = 30  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 30 scalars
     o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
     for lane in range(offs.size - 1):
         row = states[lane]
@@ -460,12 +496,27 @@ def _kernel(xs, ts, offs, states, k, p):
         l_s, l_m, l_v = row[22], row[23], row[24]
         wt_up, wt_dn = row[25], row[26]
         st_up, st_dn = row[27], row[28]
+        cnt = row[29] if k_ct > 0.0 else 0.0
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
             if np.isnan(xv) or np.isnan(tv):
                 n_out[i] = n
                 continue
+            if cnt > 0.0:
+                if n < warm and (xv < 0.0 or xv != np.floor(xv)):
+                    # not a count: learn this key on the raw scale, from this reading on (still
+                    # in its warm-up, so nothing was flagged from what is forgotten)
+                    cnt = 0.0
+                    n = 0.0
+                    f_up = f_dn = t_up = t_dn = s_up = s_dn = 0.0
+                    run = run_max = streak = sstreak = 0.0
+                    l_s = l_m = l_v = 0.0
+                    wt_up = wt_dn = st_up = st_dn = 0.0
+                    for j in range(o_s, row.size):
+                        row[j] = 0.0
+                else:
+                    xv = _to_count_scale(xv)
             u = (tv % period) / period * k - 0.5
             fl = np.floor(u)
             w1 = u - fl
@@ -485,7 +536,7 @@ def _kernel(xs, ts, offs, states, k, p):
                 sh_m = xv
                 lo_m = xv
                 n = 1.0
-                base_out[i] = xv
+                base_out[i] = xs[i]
                 z = 0.0
             else:
                 sbf = w0 * row[o_f + b0] + w1 * row[o_f + b1]
@@ -657,6 +708,10 @@ def _kernel(xs, ts, offs, states, k, p):
                 if zli > z:
                     z = zli
                     which = 7
+                if cnt > 0.0:  # the expected value and range on the reading's own scale
+                    bo = _from_count_scale(bo)
+                    lo = _from_count_scale(lo)
+                    hi = _from_count_scale(hi)
                 base_out[i] = bo
                 lo_out[i] = lo
                 hi_out[i] = hi
@@ -755,6 +810,7 @@ def _kernel(xs, ts, offs, states, k, p):
             row[22], row[23], row[24] = l_s, l_m, l_v
             row[25], row[26] = wt_up, wt_dn
             row[27], row[28] = st_up, st_dn
+            row[29] = cnt if k_ct > 0.0 else row[29]
     return scores, base_out, flags, n_out, model_out, lo_out, hi_out
 
 

@@ -128,6 +128,9 @@ def test_score_lanes_equals_score_batch_per_lane_in_any_chunking() -> None:
     lanes += [(x, T0 + 37.0 * np.arange(700)),  # another time grid, missing readings
               (np.array([]), np.array([])),  # a lane without readings keeps its state
               (np.array([1.0, np.nan, 2.0]), T0 + np.arange(3.0))]
+    counts = rng.poisson(4.0, 700).astype(float)
+    lanes += [(counts, T0 + 60.0 * np.arange(700)),  # counts: the count scale
+              (np.r_[counts[:30], 2.5, counts[31:]], T0 + 60.0 * np.arange(700))]  # then not
     expected = [score_batch(x, t, None, cfg) for x, t in lanes]
 
     rounds = 6  # every lane cut at its own random points (empty chunks included)
@@ -159,7 +162,7 @@ def test_score_lanes_equals_score_batch_per_lane_in_any_chunking() -> None:
 def test_state_row_layout() -> None:
     st = initial_state()
     row = st.to_row()
-    assert len(row) == len(STATE_FIELDS) == 29 + 4 * DetectorConfig().season_bins
+    assert len(row) == len(STATE_FIELDS) == 30 + 4 * DetectorConfig().season_bins
     assert all(isinstance(v, float) for v in row)
     assert all(typ == "double" for _, typ in STATE_FIELDS)
     assert len({name for name, _ in STATE_FIELDS}) == len(STATE_FIELDS)
@@ -331,3 +334,69 @@ def test_health_state_of_version_1_loads_upgraded() -> None:
     np.testing.assert_array_equal(got.dets[0, 0], DetectorState.from_row(v1.tolist()).to_row())
     same = health.load_devices(health.dump_devices(got), len(STATE_FIELDS), cfg=cfg)
     np.testing.assert_array_equal(same.dets, got.dets)  # current states pass through
+
+
+def test_version_3_state_continues_unchanged() -> None:
+    """A version-3 row (before the count scale) was learnt on the raw scale and stays there."""
+    from gold.anomaly import _V3_SCALARS, upgrade_rows
+
+    x, t, cfg, row = _warm_row(5)
+    n = x.size
+    assert row[_V3_SCALARS] == 0.0  # readings that are not counts: the raw scale
+    v3 = np.r_[3.0, row[1:_V3_SCALARS], row[row.size - 4 * cfg.season_bins:]]
+    up = upgrade_rows(v3[None, :], cfg)
+    np.testing.assert_array_equal(up[0], row)
+    assert DetectorState.from_row(v3.tolist()).to_row() == tuple(up[0])
+    _, _, f, nb, _ = score_lanes(x[4000:], t[4000:], [0, n - 4000], up, cfg)
+    assert nb[0] == 4000 and np.flatnonzero(f).tolist() == [1000]
+    with pytest.raises(ValueError, match="neither"):
+        upgrade_rows(v3[None, :-1], cfg)
+
+
+def _counts(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson counts every 5 minutes with a daily cycle (mean 10-30), a burst at 5,000."""
+    rng = np.random.default_rng(seed)
+    t = T0 + 300.0 * np.arange(6000)
+    x = rng.poisson(20.0 + 10.0 * np.sin(2 * np.pi * t / 86400)).astype(float)
+    x[5000] += 60.0
+    return x, t
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_counts_are_scored_on_the_count_scale(seed: int) -> None:
+    """A key of non-negative integers is scored on the count scale; its explanations are in
+    the reading's own units; a key that sends anything else during its warm-up is scored on the
+    raw scale, exactly as if it had started with that reading."""
+    from gold.anomaly import _V3_SCALARS
+
+    x, t = _counts(seed)
+    cfg = DetectorConfig()
+    s, bl, f, _, st, _, low, high = score_lanes(x, t, [0, x.size], initial_rows(1, cfg), cfg,
+                                                explain=True)
+    assert st[0, _V3_SCALARS] == 1.0
+    assert np.flatnonzero(f).tolist() == [5000]
+    assert x[5000] > high[5000] and low[5000] <= bl[5000] <= high[5000]
+    assert 5.0 < bl[5000] < 40.0  # the expected count, not its square root
+    y = x.copy()
+    y[50] += 0.5  # not a count, within the warm-up
+    got = score_lanes(y, t, [0, y.size], initial_rows(1, cfg), cfg)
+    fresh = score_lanes(y[50:], t[50:], [0, y.size - 50], initial_rows(1, cfg), cfg)
+    for k in range(3):
+        np.testing.assert_array_equal(got[k][50:], fresh[k])
+    keep = np.arange(st.shape[1]) != 14  # all but the readings-since-a-hot-one counter
+    np.testing.assert_array_equal(got[4][0, keep], fresh[4][0, keep])
+    assert got[4][0, _V3_SCALARS] == 0.0
+    off = DetectorConfig(count_scale=False)
+    raw = score_lanes(x, t, [0, x.size], initial_rows(1, off), off)
+    assert raw[4][0, _V3_SCALARS] == 1.0 and not np.array_equal(raw[0], s)  # flag kept, unused
+
+
+def test_quiet_on_poisson_noise() -> None:
+    """Counts without anomalies: sparse (mean 0.3) and busy (mean 50) keys stay quiet."""
+    cfg = DetectorConfig()
+    for seed in (100, 101, 102):
+        for lam in (0.3, 50.0):
+            x = np.random.default_rng(seed).poisson(lam, 20_000).astype(float)
+            t = T0 + 300.0 * np.arange(x.size)
+            f = score_lanes(x, t, [0, x.size], initial_rows(1, cfg), cfg)[2]
+            assert f.sum() <= 1, (seed, lam, np.flatnonzero(f))
