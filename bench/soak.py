@@ -11,7 +11,9 @@ and one analyst query's latency (p95 of a few calls each). Probe readings (a dev
 own, event time = publish time) give publish -> silver and -> ``device_current`` latency.
 
 Last line: ``minutes``, ``rate``, ``rss_growth_pct_per_h_max`` (worst role, least-squares slope
-after the warm-up, over its mean), ``files_max`` (worst table, any sample), ``disk_growth_pct_last_20min``,
+after the warm-up, over its mean), ``files_max`` (worst table, any sample), ``disk_growth_pct_last_20min``
+(least-squares rise over its mean, ``disk_growth_pct``; ``disk_growth_pct_endpoints``: last sample
+over first),
 ``latency_p99_drift`` (silver p99 of the probes sent in the last 10 minutes over the first 10
 after warm-up), ``dashboard_p95_ms_max``, ``query_p95_ms_max``, ``lost`` (probes never in
 silver) and ``achieved_rate``. ``--smoke`` is a 30-second run at 50 events/s (windows scaled).
@@ -243,6 +245,19 @@ def rss_growth_pct_per_h(samples: list[dict], since: float) -> dict[str, float]:
     return out
 
 
+def disk_growth_pct(samples: list[dict], since: float) -> tuple[float | None, float | None]:
+    """Disk growth from ``since`` to the last sample, in % of the mean: the least-squares line's
+    rise over that span (as for memory), and the last sample over the first. Retention and vacuum
+    make the disk a sawtooth with teeth of several minutes (a vacuum pass under load), so two
+    single samples say more about where each fell on a tooth than about the level."""
+    pts = [(s["t"], s["disk_bytes"]) for s in samples if s["t"] >= since and s["disk_bytes"]]
+    if len(pts) < 3:
+        return None, None
+    t, b = np.array(pts, dtype=float).T
+    rise = np.polyfit(t, b, 1)[0] * (t[-1] - t[0])
+    return round(float(rise / b.mean() * 100), 2), round(float((b[-1] / b[0] - 1) * 100), 2)
+
+
 def summary(args: argparse.Namespace, samples: list[dict], published: dict[str, float],
             silver_seen: dict[str, float], current_seen: dict[str, float],
             achieved: float | None, root: Path) -> dict:
@@ -255,9 +270,7 @@ def summary(args: argparse.Namespace, samples: list[dict], published: dict[str, 
 
     first, last = p99(warm, warm + window, silver_seen), p99(end - window, end, silver_seen)
     growth = rss_growth_pct_per_h(samples, warm)
-    disk_from = next((s for s in samples if s["t"] >= end - args.disk_minutes * 60), None)
-    disk_growth = (round((samples[-1]["disk_bytes"] / disk_from["disk_bytes"] - 1) * 100, 2)
-                   if disk_from and samples and disk_from["disk_bytes"] else None)
+    disk_growth, disk_ends = disk_growth_pct(samples, end - args.disk_minutes * 60)
     files = [(v["files"] or 0, name) for s in samples for name, v in s["tables"].items()]
     return {
         "minutes": args.minutes, "rate": args.rate, "devices": args.devices,
@@ -269,6 +282,7 @@ def summary(args: argparse.Namespace, samples: list[dict], published: dict[str, 
         "files_max_table": max(files)[1] if files else None,
         "log_files_max": max((v["log_files"] for s in samples for v in s["tables"].values()), default=None),
         "disk_growth_pct_last_20min": disk_growth,
+        "disk_growth_pct_endpoints": disk_ends,
         "disk_mb_last": round(samples[-1]["disk_bytes"] / 2**20, 1) if samples else None,
         "latency_p99_first_s": first, "latency_p99_last_s": last,
         "latency_p99_drift": round(last / first, 2) if first and last else None,

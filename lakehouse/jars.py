@@ -60,10 +60,13 @@ def java_binary() -> str | None:
     return shutil.which("java")
 
 
-def driver_java_options(class_data_sharing: bool = True) -> str:
+def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0) -> str:
     """JVM options of the Spark driver: log level, ``native_memory.jvm_options`` (bounded NIO
-    buffer caches, native heap trims), and the class archive when there is one."""
+    buffer caches, native heap trims), the compiled-code cache's size (``spark.code_cache_mb``)
+    and the class archive when there is one."""
     opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary())))
+    if code_cache_mb:
+        opts += f" -XX:ReservedCodeCacheSize={code_cache_mb}m"
     archive = class_archive()
     if class_data_sharing and archive.is_file():
         # -Xlog off: a stale archive is skipped silently rather than warned about on every start

@@ -165,6 +165,11 @@ class SparkSettings(_Section):
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
     # growing over hours (docs/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
     malloc_arenas: int = Field(2, ge=0)
+    # MB the driver JVM reserves for JIT-compiled code (-XX:ReservedCodeCacheSize; 0: the JVM's
+    # 240). A long run's JIT keeps compiling Spark's planner and Delta's code for hours, and the
+    # memory its code takes is kept: at this size the cache fills within the first half hour and
+    # the JVM then flushes cold code instead of growing (docs/benchmarks.md, session 24).
+    code_cache_mb: int = Field(144, ge=0)
     conf: dict[str, str] = Field(default_factory=dict)
 
 

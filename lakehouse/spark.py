@@ -56,7 +56,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         # of `iotlake run`, for weeks
         .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker,"
                 "ignore::FutureWarning:pyspark.sql.pandas.serializers")
-        .config("spark.driver.extraJavaOptions", jars.driver_java_options(settings.spark.class_data_sharing))
+        .config("spark.driver.extraJavaOptions", jars.driver_java_options(settings.spark.class_data_sharing,
+                                                                       settings.spark.code_cache_mb))
         .config("spark.jars", ",".join(jars.spark_jars()))
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
         .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")

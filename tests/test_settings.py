@@ -149,6 +149,13 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     assert any(a == f"-XX:SharedArchiveFile={jars.class_archive()}" for a in args) == built, args
     assert spark._jvm.java.lang.System.getProperty("jdk.nio.maxCachedBufferSize") == "262144"
     assert set(native_memory.jvm_options(jars.java_binary())) <= set(args)
+    # the compiled-code cache is the setting's size (and none is asked for with 0)
+    mb = load_settings(environ={}).spark.code_cache_mb
+    assert f"-XX:ReservedCodeCacheSize={mb}m" in args and mb > 0
+    diag = spark._jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        spark._jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    assert diag.getVMOption("ReservedCodeCacheSize").getValue() == str(mb << 20)
+    assert "ReservedCodeCacheSize" not in jars.driver_java_options(code_cache_mb=0)
 
 
 def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
