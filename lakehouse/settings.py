@@ -166,9 +166,9 @@ class SparkSettings(_Section):
     # growing over hours (docs/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
     malloc_arenas: int = Field(2, ge=0)
     # MB the driver JVM reserves for JIT-compiled code (-XX:ReservedCodeCacheSize; 0: the JVM's
-    # 240). A long run's JIT keeps compiling Spark's planner and Delta's code for hours, and the
-    # memory its code takes is kept: at this size the cache fills within the first half hour and
-    # the JVM then flushes cold code instead of growing (docs/benchmarks.md, session 24).
+    # 240). A long run's JIT keeps compiling Spark's planner and Delta's code for hours and keeps
+    # the memory that code took; once this much is used the JVM flushes cold code instead of
+    # growing (docs/benchmarks.md, session 24: an hour at 1,000 events/s used 125 MB).
     code_cache_mb: int = Field(144, ge=0)
     conf: dict[str, str] = Field(default_factory=dict)
 
