@@ -93,10 +93,12 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
 
 #: Spark loggers whose WARN lines are routine here: "Current batch is falling behind" once per
 #: micro-batch longer than its trigger (on 2 cores, most of them; batch durations and lag are in
-#: ``pipeline_metrics`` and on the Prometheus endpoint), and "Failed to cancel job group" for
-#: every query stopped between batches.
+#: ``pipeline_metrics`` and on the Prometheus endpoint), "Failed to cancel job group" for
+#: every query stopped between batches, and "RDD N was locally checkpointed" after every Delta
+#: MERGE (it materialises its source with ``localCheckpoint``; ~480 lines an hour in a soak).
 QUIET_LOGGERS = ("org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
-                 "org.apache.spark.scheduler.DAGScheduler")
+                 "org.apache.spark.scheduler.DAGScheduler",
+                 "org.apache.spark.rdd.MapPartitionsRDD")
 
 
 def _quiet_loggers(spark: SparkSession) -> None:

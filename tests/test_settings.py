@@ -206,3 +206,14 @@ def test_maintenance_retentions(spark, tmp_path: Path) -> None:
     props = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
     assert props["delta.logRetentionDuration"] == props["delta.deletedFileRetentionDuration"] \
         == "interval 10080 minutes"
+
+
+def test_routine_spark_warnings_are_quiet(spark) -> None:
+    """Lines Spark logs on every micro-batch or MERGE (e.g. "RDD N was locally checkpointed"
+    after each Delta MERGE) would fill a long run's log: those loggers are at ERROR."""
+    from lakehouse.spark import QUIET_LOGGERS
+
+    log4j = spark._jvm.org.apache.logging.log4j
+    assert "org.apache.spark.rdd.MapPartitionsRDD" in QUIET_LOGGERS
+    for name in QUIET_LOGGERS:
+        assert log4j.LogManager.getLogger(name).getLevel().toString() == "ERROR", name
