@@ -233,15 +233,20 @@ def sample(settings: Settings, pid: int, reader: Readers, t: float) -> dict:
     }
 
 
+def _rise_pct(pts: list[tuple[float, float]], seconds: float | None = None) -> float:
+    """The least-squares line's rise over ``seconds`` (default: the points' span), in % of the
+    points' mean."""
+    t, y = np.array(pts, dtype=float).T
+    return round(float(np.polyfit(t, y, 1)[0] * (seconds or t[-1] - t[0]) / y.mean() * 100), 2)
+
+
 def rss_growth_pct_per_h(samples: list[dict], since: float) -> dict[str, float]:
     """Per role: least-squares RSS slope after ``since`` seconds, in % of its mean per hour."""
     out = {}
     for role in sorted({r for s in samples for r in s["rss_mb"]}):
         pts = [(s["t"], s["rss_mb"][role]) for s in samples if s["t"] >= since and role in s["rss_mb"]]
-        if len(pts) < 3:
-            continue
-        t, m = np.array(pts).T
-        out[role] = round(float(np.polyfit(t, m, 1)[0] * 3600 / m.mean() * 100), 2)
+        if len(pts) >= 3:
+            out[role] = _rise_pct(pts, 3600)
     return out
 
 
@@ -253,9 +258,7 @@ def disk_growth_pct(samples: list[dict], since: float) -> tuple[float | None, fl
     pts = [(s["t"], s["disk_bytes"]) for s in samples if s["t"] >= since and s["disk_bytes"]]
     if len(pts) < 3:
         return None, None
-    t, b = np.array(pts, dtype=float).T
-    rise = np.polyfit(t, b, 1)[0] * (t[-1] - t[0])
-    return round(float(rise / b.mean() * 100), 2), round(float((b[-1] / b[0] - 1) * 100), 2)
+    return _rise_pct(pts), round((pts[-1][1] / pts[0][1] - 1) * 100, 2)
 
 
 def summary(args: argparse.Namespace, samples: list[dict], published: dict[str, float],
