@@ -60,11 +60,15 @@ def java_binary() -> str | None:
     return shutil.which("java")
 
 
-def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0) -> str:
+def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0,
+                        fixed_heap_mb: int = 0) -> str:
     """JVM options of the Spark driver: log level, ``native_memory.jvm_options`` (bounded NIO
-    buffer caches, native heap trims), the compiled-code cache's size (``spark.code_cache_mb``)
-    and the class archive when there is one."""
+    buffer caches, native heap trims), the compiled-code cache's size (``spark.code_cache_mb``),
+    a heap fixed and touched at start (``spark.fixed_heap``; Spark sets -Xmx itself) and the
+    class archive when there is one."""
     opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary())))
+    if fixed_heap_mb:
+        opts += f" -Xms{fixed_heap_mb}m -XX:+AlwaysPreTouch"
     if code_cache_mb:
         opts += f" -XX:ReservedCodeCacheSize={code_cache_mb}m"
     archive = class_archive()

@@ -43,6 +43,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.noDataMicroBatches.enabled", "true")
+        .config("spark.sql.streaming.minBatchesToRetain", str(settings.stream.checkpoint_batches))
         .config("spark.python.worker.reuse", "true")
         # Python workers start slowly on a loaded 2-core machine; don't fail the stream for it
         .config("spark.python.authenticate.socketTimeout", "120s")
@@ -56,8 +57,9 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         # of `iotlake run`, for weeks
         .config("spark.executorEnv.PYTHONWARNINGS", "ignore::FutureWarning:pyspark.worker,"
                 "ignore::FutureWarning:pyspark.sql.pandas.serializers")
-        .config("spark.driver.extraJavaOptions", jars.driver_java_options(settings.spark.class_data_sharing,
-                                                                       settings.spark.code_cache_mb))
+        .config("spark.driver.extraJavaOptions", jars.driver_java_options(
+            settings.spark.class_data_sharing, settings.spark.code_cache_mb,
+            settings.spark.driver_memory_mb if settings.spark.fixed_heap else 0))
         .config("spark.jars", ",".join(jars.spark_jars()))
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
         .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")

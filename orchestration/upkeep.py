@@ -15,13 +15,16 @@ plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
 - every ``maintenance.vacuum_interval_hours``, vacuums what those removed (``LITE``: found in the
   Delta log, no directory listing, which took 10-80 s a table under load). The full vacuum,
   which also finds files of writes that never committed, is the DAG's and ``iotlake vacuum``'s.
+  Such a pass takes minutes under load, so retention and compaction run between its tables:
+  a partition that expires during the pass is dropped on time, not one pass later.
 
 It calls the same functions as the CLI and the DAG (``orchestration.maintenance``), in the FAIR
 pool ``maintenance`` so the streams' tasks go first. ``maintenance.auto = false`` turns it off
 when Airflow does the upkeep.
 
-The Delta logs stay bounded by ``maintenance.log_retention_hours``; Spark bounds the streams' checkpoint logs and state
-versions (``spark.sql.streaming.minBatchesToRetain``), silver's dedup index its own changelog.
+The Delta logs stay bounded by ``maintenance.log_retention_hours``; Spark bounds the streams'
+checkpoint logs and state versions (``stream.checkpoint_batches``), silver's dedup index its own
+changelog.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -75,36 +80,46 @@ class Upkeep:
         self._sc = None  # the SparkContext the thread's jobs run in
 
     def tick(self, now: datetime | None = None) -> dict[str, Any]:
-        """Compaction of crowded tables, retention, then vacuum when due; what it did.
+        """Retention, compaction of crowded tables, then vacuum when due; what it did.
         One table at a time, so a stop request waits for one operation at most."""
         s, m = self.settings, self.settings.maintenance
-        now = now or datetime.now(UTC)
+        start, began = now or datetime.now(UTC), time.monotonic()
+
+        def clock() -> datetime:
+            return start + timedelta(seconds=time.monotonic() - began)
+
         done: dict[str, Any] = {"retained": [], "compacted": []}
-        self._compact_crowded(done)
+        self._keep_up(done, clock)
         done["log_files_deleted"] = sum(clean_log(s).values())  # Delta's own waits for the next day
         if not done["log_files_deleted"]:
             del done["log_files_deleted"]
-        for table in self._expiring(now):
-            if self._stop.is_set():
-                return done
-            try:
-                done["retained"] += [r for r in retain(s, [table], now=now) if r.get("deleted_rows")]
-            except Exception as e:  # noqa: BLE001 - e.g. conflicts with a busy stream's appends
-                log.warning("retention of %s failed (the next pass tries again): %s", table,
-                            error_line(e))
-            self._compact_crowded(done)  # a failed DELETE must not hold compaction up
-        if now - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
+        if start - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):
             done["vacuumed"] = []
             for table in resolve_tables(s):
                 if self._stop.is_set():
                     return done
                 vacuum(s, [table], lite=True)  # the files compaction and retention removed
                 done["vacuumed"].append(table)
-                # a vacuum pass takes minutes under load: streams go on adding files meanwhile
-                self._compact_crowded(done)
-            self.last_vacuum = self._save_last_vacuum(now)
+                # a vacuum pass takes minutes under load: partitions expire and streams add
+                # files meanwhile, so retention and compaction keep their pace
+                self._keep_up(done, clock)
+            self.last_vacuum = self._save_last_vacuum(start)
         self.passes += 1
         return done
+
+    def _keep_up(self, done: dict[str, Any], clock: Callable[[], datetime]) -> None:
+        """Expired partitions first (dropping them frees disk, and compacting them first would
+        be wasted work), then the crowded tables."""
+        for table in self._expiring(clock()):
+            if self._stop.is_set():
+                return
+            try:
+                done["retained"] += [r for r in retain(self.settings, [table], now=clock())
+                                     if r.get("deleted_rows")]
+            except Exception as e:  # noqa: BLE001 - e.g. conflicts with a busy stream's appends
+                log.warning("retention of %s failed (the next pass tries again): %s", table,
+                            error_line(e))
+        self._compact_crowded(done)
 
     def _compact_crowded(self, done: dict[str, Any]) -> None:
         """Bin-pack the tables with ``compact_min_files`` files under ``small_file_bytes`` into

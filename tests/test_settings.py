@@ -37,6 +37,10 @@ def test_bad_value_is_named() -> None:
         load_settings(environ={}, kafka={"partitions": 0})
     with pytest.raises(SettingsError, match=r"setting 'simulator.device_prefix'"):
         load_settings(environ={}, simulator={"device_prefix": "a/b"})  # a topic level of its own
+    with pytest.raises(SettingsError, match=r"'spark.driver_memory'.*e\.g\. 2g or 768m"):
+        load_settings(environ={}, spark={"driver_memory": "2 GB"})
+    assert [load_settings(environ={}, spark={"driver_memory": m}).spark.driver_memory_mb
+            for m in ("2g", "768M", "1gb")] == [2048, 768, 1024]
 
 
 def test_password_never_echoed() -> None:
@@ -156,6 +160,29 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
         spark._jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
     assert diag.getVMOption("ReservedCodeCacheSize").getValue() == str(mb << 20)
     assert "ReservedCodeCacheSize" not in jars.driver_java_options(code_cache_mb=0)
+    # the heap is fixed at driver_memory and touched at start (spark.fixed_heap)
+    settings = load_settings(environ={})
+    assert settings.spark.fixed_heap and f"-Xms{settings.spark.driver_memory_mb}m" in args
+    assert diag.getVMOption("AlwaysPreTouch").getValue() == "true"
+    assert "Xms" not in jars.driver_java_options(fixed_heap_mb=0)
+
+
+def test_a_checkpoint_keeps_only_the_configured_batches(spark, tmp_path: Path) -> None:
+    """``stream.checkpoint_batches`` bounds each query's offsets and commits logs (and its state
+    versions) while it runs: older entries are deleted after each batch."""
+    batches = load_settings(environ={}).stream.checkpoint_batches
+    ckpt = tmp_path / "ckpt"
+    q = (spark.readStream.format("rate").option("rowsPerSecond", 100).load().writeStream
+         .format("noop").option("checkpointLocation", str(ckpt))
+         .trigger(processingTime="20 milliseconds").start())
+    try:
+        while (q.lastProgress or {}).get("batchId", 0) < batches + 10:
+            q.awaitTermination(0.2)
+    finally:
+        q.stop()
+    for log_dir in ("offsets", "commits"):
+        ids = sorted(int(p.name) for p in (ckpt / log_dir).iterdir() if p.name.isdigit())
+        assert ids[0] > 0 and len(ids) <= batches + 1, (log_dir, ids)
 
 
 def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
