@@ -108,9 +108,11 @@ class Upkeep:
         return done
 
     def _keep_up(self, done: dict[str, Any], clock: Callable[[], datetime]) -> None:
-        """Expired partitions first (dropping them frees disk, and compacting them first would
-        be wasted work), then the crowded tables."""
-        for table in self._expiring(clock()):
+        """Expired partitions before compaction (dropping them frees disk, and compacting them
+        first would be wasted work), and the crowded tables after each table's retention: a
+        busy table adds a file a second, so compaction must not wait for every retention."""
+        expiring = self._expiring(clock())
+        for table in expiring:
             if self._stop.is_set():
                 return
             try:
@@ -119,7 +121,9 @@ class Upkeep:
             except Exception as e:  # noqa: BLE001 - e.g. conflicts with a busy stream's appends
                 log.warning("retention of %s failed (the next pass tries again): %s", table,
                             error_line(e))
-        self._compact_crowded(done)
+            self._compact_crowded(done)
+        if not expiring:
+            self._compact_crowded(done)
 
     def _compact_crowded(self, done: dict[str, Any]) -> None:
         """Bin-pack the tables with ``compact_min_files`` files under ``small_file_bytes`` into
