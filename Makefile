@@ -11,7 +11,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RATE   ?= 200
 DEVICES ?= 50
 
-.PHONY: run demo test test-deps bench lint airflow dashboard install system-deps jars clean
+.PHONY: run demo test test-deps bench lint airflow dashboard install system-deps jars constraints clean
 JARS   := .jars
 CDS    := $(JARS)/cds/spark-driver.jsa
 # A Sparkplug B edge node for the tests: Eclipse Tahu's protocol spoken by a library not ours
@@ -32,17 +32,20 @@ test: install test-deps $(EDGE_STAMP) ## the whole test suite (real brokers, rea
 lint: install
 	$(BIN)/ruff check .
 
-install: system-deps $(STAMP) jars $(CDS)
+# Python packages and jars download side by side; the class archive needs both.
+install: system-deps
+	@$(MAKE) --no-print-directory -j2 $(STAMP) jars
+	@$(MAKE) --no-print-directory $(CDS)
 
 # JVM dependencies, pinned in infra/jvm/*.pom.xml, copied from Maven Central into .jars/ (git-ignored)
 jars: $(JARS)/spark/.resolved $(JARS)/kafka/.resolved
 
-$(JARS)/spark/.resolved: infra/jvm/spark-jars.pom.xml
+$(JARS)/spark/.resolved: infra/jvm/spark-jars.pom.xml | system-deps
 	rm -rf $(JARS)/spark
 	$(MVN) -f $< dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(JARS)/spark
 	@touch $@
 
-$(JARS)/kafka/.resolved: infra/jvm/kafka-broker.pom.xml
+$(JARS)/kafka/.resolved: infra/jvm/kafka-broker.pom.xml | system-deps
 	rm -rf $(JARS)/kafka
 	$(MVN) -f $< dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/$(JARS)/kafka
 	@touch $@
@@ -52,15 +55,20 @@ $(JARS)/kafka/.resolved: infra/jvm/kafka-broker.pom.xml
 $(CDS): $(JARS)/spark/.resolved $(JARS)/kafka/.resolved | $(STAMP)
 	$(BIN)/python infra/jvm/class_archive.py $@
 
-$(STAMP): pyproject.toml
+# uv installs the pinned set (infra/python/constraints.txt) in half pip's time
+$(STAMP): pyproject.toml infra/python/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/python -m pip install -q 'uv>=0.9,<1'
+	$(BIN)/uv pip install -q --python $(BIN)/python -c infra/python/constraints.txt -e '.[dev]' -C editable_mode=compat
 	@touch $(STAMP)
 
-$(EDGE_STAMP):
+constraints: $(STAMP)   ## re-pin infra/python/constraints.txt to what .venv holds (after a passing make test)
+	{ sed -n '1,2p' infra/python/constraints.txt; $(BIN)/uv pip freeze --python $(BIN)/python --exclude-editable | grep -Ev '^(uv|pip|setuptools)=='; } > infra/python/constraints.tmp
+	mv infra/python/constraints.tmp infra/python/constraints.txt
+
+$(EDGE_STAMP): | $(STAMP)
 	@test -x $(EDGE_VENV)/bin/python || $(PYTHON) -m venv $(EDGE_VENV)
-	$(EDGE_VENV)/bin/python -m pip install -q 'pysparkplug==0.6.1' 'paho-mqtt>=1.6,<2'
+	$(BIN)/uv pip install -q --python $(EDGE_VENV)/bin/python 'pysparkplug==0.6.1' 'paho-mqtt>=1.6,<2'
 	@touch $@
 
 system-deps:
