@@ -153,9 +153,9 @@ class SparkSettings(_Section):
     shuffle_partitions: int = Field(0, ge=0)
     driver_memory: str = "2g"
     # the driver JVM's heap fixed at ``driver_memory`` and touched when it starts (-Xms = -Xmx,
-    # -XX:+AlwaysPreTouch): G1 otherwise commits more heap at each new load peak and never hands
-    # it back, so a long run's resident size creeps up for hours for no leak (a 255 MB step at
-    # minute 30 of an hour's soak). The process takes its full size at start (0.7 s to touch 2 GB).
+    # -XX:+AlwaysPreTouch): G1 otherwise commits more heap at load peaks (1,791 -> 2,046 MB in an
+    # hour's soak), so the resident size depends on the worst peak so far. Fixed, the process
+    # holds its full size from the start (0.7 s to touch 2 GB) and any later growth is native.
     fixed_heap: bool = True
     ui_enabled: bool = False
     # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)
