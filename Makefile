@@ -59,7 +59,7 @@ $(CDS): $(JARS)/spark/.resolved $(JARS)/kafka/.resolved | $(STAMP)
 $(STAMP): pyproject.toml infra/python/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q 'uv>=0.9,<1'
-	$(BIN)/uv pip install -q --python $(BIN)/python -c infra/python/constraints.txt -e '.[dev]' -C editable_mode=compat
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c infra/python/constraints.txt -e '.[dev]' -C editable_mode=compat
 	@touch $(STAMP)
 
 constraints: $(STAMP)   ## re-pin infra/python/constraints.txt to what .venv holds (after a passing make test)

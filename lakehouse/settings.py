@@ -153,10 +153,10 @@ class SparkSettings(_Section):
     shuffle_partitions: int = Field(0, ge=0)
     driver_memory: str = "2g"
     # the driver JVM's heap fixed at ``driver_memory`` and touched when it starts (-Xms = -Xmx,
-    # -XX:+AlwaysPreTouch): G1 otherwise commits more heap at load peaks (1,791 -> 2,046 MB in an
-    # hour's soak), so the resident size depends on the worst peak so far. Fixed, the process
-    # holds its full size from the start (0.7 s to touch 2 GB) and any later growth is native.
-    fixed_heap: bool = True
+    # -XX:+AlwaysPreTouch): the process holds its full size from the start (0.7 s to touch 2 GB)
+    # instead of G1 committing more at load peaks. Off: in hour-long soaks the JVM grew as much
+    # with it as without (docs/benchmarks.md, session 25).
+    fixed_heap: bool = False
     ui_enabled: bool = False
     # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)
     local_fs_shim: bool = True

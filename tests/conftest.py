@@ -25,9 +25,6 @@ from orchestration.services import embedded_services  # noqa: E402
 # tiered default.
 C1_ONLY = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 os.environ.setdefault("JAVA_TOOL_OPTIONS", C1_ONLY)
-# For the same reason their heap is not fixed and touched at start (``spark.fixed_heap``, made for
-# runs of weeks: 0.7 s per 2 GB); the worker's own session below loads settings without the env.
-os.environ.setdefault("IOTLAKE_SPARK__FIXED_HEAP", "false")
 
 _main = sys.modules["__main__"]
 if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):

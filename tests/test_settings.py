@@ -160,11 +160,12 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
         spark._jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
     assert diag.getVMOption("ReservedCodeCacheSize").getValue() == str(mb << 20)
     assert "ReservedCodeCacheSize" not in jars.driver_java_options(code_cache_mb=0)
-    # the heap is fixed at driver_memory and touched at start (spark.fixed_heap)
-    settings = load_settings(environ={})
-    assert settings.spark.fixed_heap and f"-Xms{settings.spark.driver_memory_mb}m" in args
-    assert diag.getVMOption("AlwaysPreTouch").getValue() == "true"
+    # spark.fixed_heap (off by default): the heap fixed at driver_memory, touched at start
+    assert not load_settings(environ={}).spark.fixed_heap
+    assert "-Xms2048m -XX:+AlwaysPreTouch" in jars.driver_java_options(fixed_heap_mb=2048)
     assert "Xms" not in jars.driver_java_options(fixed_heap_mb=0)
+    touched = diag.getVMOption("AlwaysPreTouch").getValue() == "true"
+    assert touched == any(a.startswith("-Xms") for a in args), args
 
 
 def test_a_checkpoint_keeps_only_the_configured_batches(spark, tmp_path: Path) -> None:
