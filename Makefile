@@ -11,7 +11,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RATE   ?= 200
 DEVICES ?= 50
 
-.PHONY: run demo test test-deps bench lint airflow dashboard install system-deps jars constraints clean
+.PHONY: run demo archive test test-deps bench lint airflow dashboard install system-deps jars constraints clean
 JARS   := .jars
 CDS    := $(JARS)/cds/spark-driver.jsa
 # A Sparkplug B edge node for the tests: Eclipse Tahu's protocol spoken by a library not ours
@@ -20,10 +20,10 @@ EDGE_VENV  := .venv-edge
 EDGE_STAMP := $(EDGE_VENV)/.installed
 MVN    := mvn -q -B
 
-run: install            ## live pipeline on embedded Mosquitto + Apache Kafka, simulated devices; Ctrl-C stops
+run: install $(CDS)     ## live pipeline on embedded Mosquitto + Apache Kafka, simulated devices; Ctrl-C stops
 	$(BIN)/iotlake run --simulate $(RATE) --devices $(DEVICES)
 
-demo: install           ## bounded run: publish events, wait for gold, print accounting JSON
+demo: install $(CDS)    ## bounded run: publish events, wait for gold, print accounting JSON
 	$(BIN)/iotlake demo --events 5000 --devices 20
 
 test: install test-deps $(EDGE_STAMP) ## the whole test suite (real brokers, real Spark, real Delta files)
@@ -32,10 +32,9 @@ test: install test-deps $(EDGE_STAMP) ## the whole test suite (real brokers, rea
 lint: install
 	$(BIN)/ruff check .
 
-# Python packages and jars download side by side; the class archive needs both.
+# Python packages and jars download side by side.
 install: system-deps
 	@$(MAKE) --no-print-directory -j2 $(STAMP) jars
-	@$(MAKE) --no-print-directory $(CDS)
 
 # JVM dependencies, pinned in infra/jvm/*.pom.xml, copied from Maven Central into .jars/ (git-ignored)
 jars: $(JARS)/spark/.resolved $(JARS)/kafka/.resolved
@@ -51,7 +50,10 @@ $(JARS)/kafka/.resolved: infra/jvm/kafka-broker.pom.xml | system-deps
 	@touch $@
 
 # The Spark driver's class archive (a short demo run records the classes it loads): every later
-# Spark process starts ~10% cheaper (bench/jvm_startup.py). Rebuilt when the jars change.
+# Spark process starts ~10% cheaper (bench/jvm_startup.py). Rebuilt when the jars change. Built
+# for run, demo and bench, not for test: recording takes ~90 s, more than the suite saves with it.
+archive: $(CDS)         ## record the Spark driver's class archive now (make run does it once)
+
 $(CDS): $(JARS)/spark/.resolved $(JARS)/kafka/.resolved | $(STAMP)
 	$(BIN)/python infra/jvm/class_archive.py $@
 
@@ -90,7 +92,7 @@ test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-bench: install test-deps ## all benchmarks but the long chaos and soak runs (each prints a last JSON line)
+bench: install $(CDS) test-deps ## all benchmarks but the long chaos and soak runs (each prints a last JSON line)
 	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos_harness.py|*/procs.py|*/spark_cpu.py|*/chaos.py|*/soak.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
 
 airflow: install        ## local Airflow (SQLite, our DAGs) under <data_root>/airflow
