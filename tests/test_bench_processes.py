@@ -22,6 +22,7 @@ SUBPROCESS = {
     "anomaly_quality": ("score", "score_direct", "score_leave_one_category_out", "per_category",
                         "state_bytes_per_key", "ratio", "baseline_score", "readings_per_s"),
     "bridge_throughput": (),
+    "dedup_index": ("keys", "bytes_per_key", "cpu_ms_per_batch", "rss_mb", "rss_growth_mb_after_full"),
     "e2e_latency": ("cores_50", "silver_p50_s_50", "silver_p99_s_50", "current_p99_s_50", "achieved_50"),
     "jvm_startup": (),
     "query_latency": (),
