@@ -171,13 +171,19 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
 def test_a_checkpoint_keeps_only_the_configured_batches(spark, tmp_path: Path) -> None:
     """``stream.checkpoint_batches`` bounds each query's offsets and commits logs (and its state
     versions) while it runs: older entries are deleted after each batch."""
-    batches = load_settings(environ={}).stream.checkpoint_batches
+    key = "spark.sql.streaming.minBatchesToRetain"
+    assert spark.conf.get(key) == str(load_settings(environ={}).stream.checkpoint_batches)
+    batches = 3  # the session's setting, lowered for this query: fewer batches to run
+    spark.conf.set(key, str(batches))
     ckpt = tmp_path / "ckpt"
-    q = (spark.readStream.format("rate").option("rowsPerSecond", 100).load().writeStream
-         .format("noop").option("checkpointLocation", str(ckpt))
-         .trigger(processingTime="20 milliseconds").start())
     try:
-        while (q.lastProgress or {}).get("batchId", 0) < batches + 10:
+        q = (spark.readStream.format("rate").option("rowsPerSecond", 100).load().writeStream
+             .format("noop").option("checkpointLocation", str(ckpt))
+             .trigger(processingTime="20 milliseconds").start())
+    finally:
+        spark.conf.set(key, spark.sparkContext.getConf().get(key))
+    try:
+        while (q.lastProgress or {}).get("batchId", 0) < batches + 5:
             q.awaitTermination(0.2)
     finally:
         q.stop()
