@@ -6,9 +6,8 @@ cleanup does not cover it). At 5,000 events/s with a 600 s watermark that is ~3M
 batch, seconds of CPU, however few rows the batch holds. This index gives the same answer
 (first occurrence of a key wins while its expiry, ``event time + delay_ms``, has not passed the
 watermark) at a cost proportional to the batch, plus a merge of every live key once per few
-dozen batches.
-Silver passes ``delay_ms = 0``: it quarantines rows at or before the watermark as late before
-asking the index.
+dozen batches. Silver passes ``delay_ms = 0``: it quarantines rows at or before the watermark
+as late before asking the index.
 
 Each key is held as a 128-bit fingerprint (two SipHash-2-4 digests, pandas' ``hash_array``) and
 its expiry: 24 bytes in sorted NumPy arrays, none of them a Python object per key. So the
