@@ -175,7 +175,7 @@ class Readers:
                 out.setdefault(path, []).append((time.perf_counter() - t) * 1000)
                 if r.status_code != 200:
                     raise SystemExit(f"dashboard {path}: HTTP {r.status_code} {r.text[:200]}")
-            time.sleep(1.1)  # past the dashboard's memo: each round sees the tables anew
+            time.sleep(1.1)  # past the dashboard's check interval: each round starts a refresh
         return out
 
     def query_ms(self, calls: int = 3) -> list[float]:

@@ -1,10 +1,10 @@
 """The dashboard's JSON API: reads Delta tables directly with delta-rs (no Spark).
 
 Every answer is aggregated and paged on the server, so the page stays fast with hundreds of
-thousands of devices. Opened tables are cached and reloaded only when a new Delta version is
-committed; answers are memoised per table version, so a refreshing page costs a version check.
-The pipeline panel, whose tables commit every micro-batch, is served from its last answer while
-the next one is computed.
+thousands of devices. Opened tables are cached; a background thread reloads one when a new
+Delta version is committed, so a request never waits on a table's log, and answers are memoised
+per table version. The pipeline panel, whose tables commit every micro-batch, is served from
+its last answer while the next one is computed.
 """
 
 from __future__ import annotations
@@ -43,11 +43,16 @@ MAX_POINTS = 1500  # raw points per metric sent to the browser (anomalies are al
 
 @dataclass
 class Snapshot:
-    """One version of a table: its lazy Arrow dataset (file stats let filters skip files)."""
+    """One version of a table: its lazy Arrow dataset (file stats let filters skip files) and the
+    Delta log's per-file statistics, both taken when the version was opened."""
 
     version: int
-    dt: DeltaTable
     dataset: ds.Dataset
+    stats: pa.Table  # the version's add actions, flattened
+
+    @classmethod
+    def of(cls, dt: DeltaTable) -> Snapshot:
+        return cls(dt.version(), arrow_dataset(dt), pa.table(dt.get_add_actions(flatten=True)))
 
     @cached_property
     def table(self) -> pa.Table:
@@ -56,9 +61,8 @@ class Snapshot:
 
     def max_of(self, column: str) -> Any:
         """Largest value of a column from the Delta log's file statistics (no data read)."""
-        stats = pa.table(self.dt.get_add_actions(flatten=True))
         name = f"max.{column}"
-        return pc.max(stats[name]).as_py() if name in stats.column_names else None
+        return pc.max(self.stats[name]).as_py() if name in self.stats.column_names else None
 
 
 @dataclass
@@ -68,35 +72,64 @@ class _Entry:
 
 
 class TableCache:
-    """Open DeltaTables by logical name; re-check the log at most every ``check_every`` s."""
+    """Open Delta tables by logical name. A request gets the table's last snapshot at once; once
+    that is ``check_every`` s old, a background thread reads the log's new commits and swaps in
+    the new version (one refresh per table at a time), reading the ``preload`` tables whole
+    there. Only a table's first open is waited for. Reading the log and the table inside the
+    request made it wait longest when the pipeline's jobs held every core (a 628 ms call in the
+    hour-long soak, docs/benchmarks.md); an answer now lags the table by at most one refresh."""
 
-    def __init__(self, settings: Settings, check_every: float = 1.0) -> None:
-        self.settings, self.check_every = settings, check_every
+    def __init__(self, settings: Settings, check_every: float = 1.0,
+                 preload: tuple[str, ...] = ("device_current",)) -> None:
+        self.settings, self.check_every, self.preload = settings, check_every, preload
         self._entries: dict[str, _Entry] = {}
+        self._tables: dict[str, DeltaTable] = {}  # each used by its first open, then its refresh
+        self._refreshing: set[str] = set()
         self._lock = threading.Lock()
 
     def get(self, name: str) -> Snapshot | None:
         with self._lock:
-            entry, now = self._entries.get(name), time.monotonic()
-            if entry is not None and now - entry.checked < self.check_every:
+            entry = self._entries.get(name)
+            if entry is not None:
+                if time.monotonic() - entry.checked >= self.check_every and name not in self._refreshing:
+                    self._refreshing.add(name)
+                    threading.Thread(target=self._refresh, args=(name,), daemon=True,
+                                     name=f"dashboard-table-{name}").start()
                 return entry.snap
-            if entry is None:
-                path = self.settings.table_path(name)
-                if not table_exists(path):
-                    return None
-                dt = DeltaTable(path)
-            else:
-                dt = entry.snap.dt
-                dt.update_incremental()
-                if dt.version() == entry.snap.version:
-                    entry.checked = now
-                    return entry.snap
-            snap = Snapshot(dt.version(), dt, arrow_dataset(dt))
-            self._entries[name] = _Entry(snap, now)
+            path = self.settings.table_path(name)
+            if not table_exists(path):
+                return None
+            dt = DeltaTable(path)
+            snap = self._snapshot(name, dt)
+            self._tables[name], self._entries[name] = dt, _Entry(snap)
             return snap
+
+    def refreshing(self, name: str) -> bool:
+        """Whether a background refresh of ``name`` is running."""
+        with self._lock:
+            return name in self._refreshing
 
     def versions(self, *names: str) -> tuple[int, ...]:
         return tuple(-1 if (s := self.get(n)) is None else s.version for n in names)
+
+    def _snapshot(self, name: str, dt: DeltaTable) -> Snapshot:
+        snap = Snapshot.of(dt)
+        if name in self.preload:
+            _ = snap.table  # read here, not inside a request
+        return snap
+
+    def _refresh(self, name: str) -> None:
+        try:
+            dt, old = self._tables[name], self._entries[name].snap
+            dt.update_incremental()
+            snap = old if dt.version() == old.version else self._snapshot(name, dt)
+            with self._lock:
+                self._entries[name] = _Entry(snap)
+        except Exception:  # noqa: BLE001 - the last snapshot stays; the next request tries again
+            log.exception("dashboard: refreshing table %s failed", name)
+        finally:
+            with self._lock:
+                self._refreshing.discard(name)
 
 
 class Memo:

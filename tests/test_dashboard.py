@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from dashboard.app import Memo, create_app
+from dashboard.app import Memo, TableCache, create_app
 from lakehouse.settings import Settings, load_settings
 from orchestration.query import run_query
 from orchestration.services import free_port
@@ -98,13 +98,43 @@ def test_reloads_only_on_new_version(served) -> None:
     row = run_query(settings, "SELECT * FROM device_current WHERE device_id = 'dev-0000'")
     row = row.set_column(0, "device_id", [["dev-new"]])
     write(settings, "device_current", row, mode="append")
-    after = get(base, "/api/fleet").json()
-    assert after["version"] == before["version"] + 1 and after["total"] == facts["devices"] + 1
+    after = fleet_at_version(base, before["version"] + 1)
+    assert after["total"] == facts["devices"] + 1
     # Put the fleet back as it was for the browser test (a new version again).
     write(settings, "device_current",
           run_query(settings, "SELECT * FROM device_current WHERE device_id <> 'dev-new'"),
           mode="overwrite")
-    assert get(base, "/api/fleet").json()["by_status"] == facts["fleet"]
+    assert fleet_at_version(base, before["version"] + 2)["by_status"] == facts["fleet"]
+
+
+def fleet_at_version(base: str, version: int) -> dict[str, Any]:
+    """The fleet answer once the dashboard's background refresh has read ``version``."""
+    deadline = time.monotonic() + 20
+    while (fleet := get(base, "/api/fleet").json())["version"] < version:
+        assert time.monotonic() < deadline, fleet
+        time.sleep(0.05)
+    assert fleet["version"] == version
+    return fleet
+
+
+def test_a_request_gets_the_last_snapshot_while_the_next_is_read(tmp_path: Path) -> None:
+    """A new Delta version is read by a background refresh, never inside the request."""
+    settings = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    build_lakehouse(settings, devices=3, hours=1)
+    cache = TableCache(settings, check_every=0.0)
+    first = cache.get("device_current")
+    assert first.table.num_rows == 3  # read whole when opened (a preloaded table)
+    write(settings, "device_current", first.table.slice(0, 1), mode="append")
+    assert cache.get("device_current") is first  # the request is answered from what is loaded
+    deadline = time.monotonic() + 20
+    while (snap := cache.get("device_current")).version == first.version:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert snap.version == first.version + 1 and snap.table.num_rows == 4
+    assert "table" in vars(snap)  # the refresh read it, not this request
+    while cache.refreshing("device_current"):
+        time.sleep(0.01)
+    assert cache.get("device_current") is snap  # no new version: the same snapshot
 
 
 def test_latest_serves_the_previous_answer_while_the_next_is_computed() -> None:
