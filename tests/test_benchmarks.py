@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 IN_PROCESS = {
     "batch_overhead": ("silver", "gold_windows", "gold_health"),
     "compaction": ("files_before", "compact", "zorder", "liquid"),
+    "delta_log_length": ("append_ms_0", "append_ms_2000", "delta_rs_update_ms_2000"),
     "gold_throughput": (),
     "ingest_throughput": (),
     "silver_dedup": (),
