@@ -2,8 +2,8 @@
 table), for deployments that set ``maintenance.auto = false`` and let Airflow do the upkeep.
 
 Retention deletes rows past ``maintenance.retention_days``; streaming sinks leave many small
-files, and compacting hourly keeps scans fast; vacuum (>= 7 days retention) removes what they
-replaced. Tasks import the package at run time and read
+files, and compacting hourly keeps scans fast; vacuum removes what they
+replaced (``maintenance.vacuum_retention_hours``). Tasks import the package at run time and read
 settings from ``$IOTLAKE_CONFIG``; both steps are no-ops when there is nothing to do.
 """
 

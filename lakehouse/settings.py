@@ -28,9 +28,9 @@ from pydantic import (
 from lakehouse.storage import is_uri
 from lakehouse.telemetry import TelemetryModel
 
-#: Below this, vacuum or log clean-up can remove what time travel, reprocessing or a lagging
-#: stream still needs.
-MIN_RETENTION_HOURS = 168
+#: Below this, vacuum or log clean-up can remove what a query, a dashboard refresh or a backfill
+#: is reading (a lagging stream is protected whatever the retention: maintenance.clean_log).
+MIN_RETENTION_HOURS = 1
 
 ENV_PREFIX = "IOTLAKE_"
 #: IOTLAKE_* variables that are not settings (the test suite's ports use IOTLAKE_TEST_*).
@@ -250,12 +250,15 @@ class MaintenanceSettings(_Section):
     """Table maintenance. Retention must cover the longest time-travel reprocessing window and
     the longest lag of a stream reading a table, or vacuum deletes files they still need."""
 
-    #: vacuum keeps files any version of this age still needs (time travel, lagging streams)
-    vacuum_retention_hours: float = Field(168, gt=0)
-    #: the Delta log (the time-travel horizon) of tables iotlake creates: older commit files are
-    #: removed at log checkpoints, so a table's _delta_log stays bounded
-    log_retention_hours: float = Field(168, gt=0)
-    #: allow either retention below 168 h: only where nothing reads older versions (soak runs, tests)
+    #: vacuum keeps files any version of this age still needs (the time-travel horizon); a
+    #: table a lagging stream has yet to read is not vacuumed until it caught up
+    vacuum_retention_hours: float = Field(1, gt=0)
+    #: the Delta log of tables iotlake creates (Delta: at least vacuum_retention_hours). Short
+    #: because on a local disk every commit pays for every file the log holds
+    #: (bench/delta_log_length.py); a lagging stream's commits are kept whatever this says
+    log_retention_hours: float = Field(1, gt=0)
+    #: allow either retention below MIN_RETENTION_HOURS: only where nothing reads older
+    #: versions (soak runs, tests)
     allow_short_retention: bool = False
     target_file_size: int = Field(134_217_728, ge=1 << 20)
     zorder: bool = True
@@ -268,7 +271,8 @@ class MaintenanceSettings(_Section):
     #: ``small_file_bytes``, into files of up to 4x that; bigger files are left alone
     compact_min_files: int = Field(50, ge=2)
     small_file_bytes: int = Field(8 << 20, ge=1 << 16)
-    vacuum_interval_hours: float = Field(24.0, gt=0)
+    #: LITE vacuum finds removed files in the log, so it runs within the log's retention
+    vacuum_interval_hours: float = Field(0.5, gt=0)
     #: days of rows each table keeps (by its time column, lakehouse.tables.RETENTION_COLUMNS);
     #: a table not named keeps everything. Deleted by the built-in upkeep and `iotlake retain`.
     retention_days: dict[str, float] = Field(default_factory=lambda: {
@@ -314,10 +318,14 @@ class MaintenanceSettings(_Section):
         short = [k for k in ("vacuum_retention_hours", "log_retention_hours")
                  if getattr(self, k) < MIN_RETENTION_HOURS]
         if short and not self.allow_short_retention:
-            raise ValueError(f"maintenance.{short[0]} below {MIN_RETENTION_HOURS} h breaks time "
-                             f"travel, reprocessing and lagging streams: raise it, or set "
+            raise ValueError(f"maintenance.{short[0]} below {MIN_RETENTION_HOURS} h can remove "
+                             f"files a query or a backfill is reading: raise it, or set "
                              f"maintenance.allow_short_retention = true where nothing reads "
                              f"older versions")
+        if self.log_retention_hours < self.vacuum_retention_hours:
+            raise ValueError(f"maintenance.log_retention_hours ({self.log_retention_hours:g}) must "
+                             f"be at least vacuum_retention_hours ({self.vacuum_retention_hours:g}): "
+                             f"Delta refuses a log shorter than its removed files' retention")
         return self
 
 

@@ -58,6 +58,36 @@ def kafka_offsets(settings: Settings) -> dict[int, tuple[int, int]]:
         c.close()
 
 
+def delta_readers(table: str) -> tuple[str, ...]:
+    """The queries (checkpoint names) whose source is the Delta table ``table``."""
+    return tuple(q for layer, (_, up) in _UPSTREAM.items() if up == table for q in _CHECKPOINTS[layer])
+
+
+def unread_version(settings: Settings, table: str) -> int | None:
+    """The oldest version of ``table`` one of this lake's streams has yet to read (the start of
+    its next batch, or of a replay of its last planned one), None when no started stream reads
+    it. Log clean-up must keep it: a Delta source cannot skip a missing commit."""
+    versions = []
+    for query in delta_readers(table):
+        for offset in _recent_offsets(settings.checkpoint_path(query)):
+            if "reservoirVersion" in offset:
+                versions.append(int(offset["reservoirVersion"]))
+    return min(versions, default=None)
+
+
+def _recent_offsets(checkpoint: str) -> list[dict]:
+    """The first source's offsets of the last committed batch and of the batch planned after it."""
+    done = _committed_offset(checkpoint)
+    planned_dir = Path(checkpoint, "offsets")
+    planned = [int(p.name) for p in planned_dir.glob("[0-9]*")] if planned_dir.exists() else []
+    out = [done] if done is not None else []
+    if planned:
+        lines = Path(planned_dir, str(max(planned))).read_text().splitlines()
+        if len(lines) > 2 and lines[2].startswith("{"):
+            out.append(json.loads(lines[2]))
+    return out
+
+
 def _delta_done(offset: dict | None) -> tuple[int, int]:
     """(version, index): files of ``version`` after ``index`` and later versions are to do."""
     if offset is None:

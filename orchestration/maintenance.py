@@ -168,8 +168,8 @@ def compact(settings: Settings, tables: list[str] | None = None, target_size: in
 
 def effective_retention(settings: Settings, requested: float | None = None,
                         enforce_retention_duration: bool = True) -> float:
-    """Requested retention, or the configured one; below 168 h only when not enforced or when
-    ``maintenance.allow_short_retention`` says so."""
+    """Requested retention, or the configured one; below ``MIN_RETENTION_HOURS`` only when not
+    enforced or when ``maintenance.allow_short_retention`` says so."""
     m = settings.maintenance
     hours = m.vacuum_retention_hours if requested is None else requested
     if requested is None and m.allow_short_retention:
@@ -178,9 +178,9 @@ def effective_retention(settings: Settings, requested: float | None = None,
         raise ValueError(f"retention must be >= 0 hours, got {hours}")
     if hours < MIN_RETENTION_HOURS and enforce_retention_duration:
         raise ValueError(
-            f"retention {hours} h is below the {MIN_RETENTION_HOURS} h minimum: time travel, "
-            "reprocessing and lagging streams could lose files. Use a larger value, or force "
-            "it (--force) only when nothing reads older versions.")
+            f"retention {hours} h is below the {MIN_RETENTION_HOURS} h minimum: a query or a "
+            "backfill reading the table could lose files. Use a larger value, or force it "
+            "(--force) only when nothing reads older versions.")
     return hours
 
 
@@ -198,11 +198,12 @@ def interval_hours(interval: str) -> float:
 
 
 def table_retention_hours(path: str) -> float:
-    """What vacuum keeps on this table: its ``delta.deletedFileRetentionDuration`` (7 days when
-    unset). Delta 4 takes vacuum's retention from this property, not from ``RETAIN``."""
+    """What vacuum keeps on this table: its ``delta.deletedFileRetentionDuration`` (Delta's
+    default, 7 days, when unset). Delta 4 takes vacuum's retention from this property, not from
+    ``RETAIN``."""
     conf = open_table(path).metadata().configuration
     value = conf.get("delta.deletedFileRetentionDuration")
-    return interval_hours(value) if value else float(MIN_RETENTION_HOURS)
+    return interval_hours(value) if value else 7 * 24.0
 
 
 def _quoted(path: str) -> str:
@@ -233,6 +234,13 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
             out.append({"table": table, "deleted": [], "status": "missing"})
             continue
         kept = table_retention_hours(path)
+        lagging = _lagging_reader(settings, table, 0 if retention_hours == 0 else kept)
+        if lagging is not None:  # it still reads files later commits removed
+            log.info("vacuum %s: a stream has yet to read version %d, past the retention: "
+                     "vacuumed once it catches up", table, lagging)
+            out.append({"table": table, "deleted": [], "status": "stream_lagging",
+                        "needed_version": lagging})
+            continue
         if retention_hours not in (None, 0) and not math.isclose(hours, kept):
             raise ValueError(
                 f"{table} keeps removed files {kept:g} h (delta.deletedFileRetentionDuration), "
@@ -324,10 +332,21 @@ def clean_log(settings: Settings, tables: list[str] | None = None) -> dict[str, 
     checkpoints only removes commits from before the day the cutoff falls in, so a busy table
     held a day of commits more than its retention). On a local data root, also the checksum
     files left beside them (Delta's ``N.crc``, Hadoop's hidden ``.N.json.crc``). Returns the
-    number of files deleted per table."""
+    number of files deleted per table.
+
+    A table one of this lake's streams has yet to read from a commit past that retention (a
+    run stopped for longer) keeps its whole log until the stream has caught up: a Delta source
+    cannot skip a missing commit. Delta's own clean-up at log checkpoints, which knows nothing
+    of the streams, is off on the tables iotlake creates (``lakehouse.spark``)."""
     out: dict[str, int] = {}
     for table in resolve_tables(settings, tables):
         path = settings.table_path(table)
+        lagging = _lagging_reader(settings, table, log_retention_hours(path))
+        if lagging is not None:
+            log.info("%s: a stream has yet to read version %d, past the log retention: its Delta "
+                     "log is kept until the stream catches up", table, lagging)
+            out[table] = 0
+            continue
         log_dir = Path(path, "_delta_log")
         before = None if settings.remote else sum(1 for _ in log_dir.iterdir())
         open_table(path).cleanup_metadata()
@@ -345,6 +364,44 @@ def clean_log(settings: Settings, tables: list[str] | None = None) -> dict[str, 
                 (log_dir / n).unlink(missing_ok=True)
         out[table] = before - sum(1 for _ in log_dir.iterdir())
     return out
+
+
+#: a commit this close to a retention's cutoff counts as past it (the clean-up runs later);
+#: at most a tenth of the retention
+_CUTOFF_MARGIN = timedelta(minutes=2)
+
+
+def log_retention_hours(path: str) -> float:
+    """How long the table keeps commit files: its ``delta.logRetentionDuration`` (Delta's
+    default, 30 days, when unset)."""
+    value = open_table(path).metadata().configuration.get("delta.logRetentionDuration")
+    return interval_hours(value) if value else 30 * 24.0
+
+
+def _lagging_reader(settings: Settings, table: str, retention_hours: float) -> int | None:
+    """The version of ``table`` a stream of this lake has yet to read when its commit is older
+    than (or close to) ``retention_hours``, else None: log clean-up would delete that commit,
+    vacuum the files it and later commits added."""
+    from orchestration.backfill import unread_version
+
+    path = settings.table_path(table)
+    need = unread_version(settings, table)
+    if need is None or need > open_table(path).version():
+        return None
+    retention = timedelta(hours=retention_hours)
+    cutoff = datetime.now(UTC) - retention + min(_CUTOFF_MARGIN, retention / 10)
+    commit = Path(path, "_delta_log", f"{need:020d}.json")
+    if not settings.remote:  # delta-rs's clean-up goes by the commit file's modification time
+        try:
+            committed = datetime.fromtimestamp(commit.stat().st_mtime, UTC)
+        except FileNotFoundError:
+            return None  # already gone: nothing left to keep for it
+    else:
+        try:
+            committed = datetime.fromtimestamp(_load_at(path, table, need).history(1)[0]["timestamp"] / 1000, UTC)
+        except ValueError:
+            return None
+    return need if committed < cutoff else None
 
 
 def oldest(settings: Settings, table: str) -> datetime | None:

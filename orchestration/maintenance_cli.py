@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lakehouse.settings import Settings, load_settings
+from lakehouse.settings import MIN_RETENTION_HOURS, Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: maintenance.vacuum_retention_hours)")
     p.add_argument("--dry-run", action="store_true", help="list files, delete nothing")
     p.add_argument("--force", action="store_true",
-                   help="allow a retention below 168 h (breaks older time travel)")
+                   help=f"allow a retention below {MIN_RETENTION_HOURS} h (a query or backfill "
+                        "reading the table could lose files)")
     p.set_defaults(func=_guarded(_vacuum))
 
     p = subparsers.add_parser("retain", help="delete rows older than each table's "

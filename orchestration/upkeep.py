@@ -10,8 +10,8 @@ plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
 - bin-packs the tables whose small files (under ``maintenance.small_file_bytes``) reached
   ``maintenance.compact_min_files``, leaving bigger files alone (no Z-order: it would rewrite
   whole tables under load; the Airflow DAG does that);
-- deletes Delta log files past ``maintenance.log_retention_hours`` (``clean_log``: Delta's own
-  clean-up keeps up to a day more);
+- deletes Delta log files past ``maintenance.log_retention_hours`` (``clean_log``), except
+  those a lagging stream still has to read;
 - every ``maintenance.vacuum_interval_hours``, vacuums what those removed (``LITE``: found in the
   Delta log, no directory listing, which took 10-80 s a table under load). The full vacuum,
   which also finds files of writes that never committed, is the DAG's and ``iotlake vacuum``'s.
@@ -90,7 +90,7 @@ class Upkeep:
 
         done: dict[str, Any] = {"retained": [], "compacted": []}
         self._keep_up(done, clock)
-        done["log_files_deleted"] = sum(clean_log(s).values())  # Delta's own waits for the next day
+        done["log_files_deleted"] = sum(clean_log(s).values())
         if not done["log_files_deleted"]:
             del done["log_files_deleted"]
         if start - self.last_vacuum >= timedelta(hours=m.vacuum_interval_hours):

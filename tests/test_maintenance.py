@@ -85,11 +85,11 @@ def test_compact_vacuum_restore_cycle(lake: Settings) -> None:
     assert again["mode"] == "noop" and again["version"] == stats["version"]
     assert compact(lake, ["silver"], zorder=False)[0]["mode"] == "noop"
 
-    # Default retention (>= 7 days) keeps the freshly replaced files.
+    # Default retention (an hour) keeps the freshly replaced files.
     [vac] = vacuum(lake)
-    assert vac["deleted"] == [] and vac["retention_hours"] == 168
+    assert vac["deleted"] == [] and vac["retention_hours"] == 1
     assert read_table(path, version=9).num_rows == 9 * ROWS
-    with pytest.raises(ValueError, match="below the 168 h minimum"):
+    with pytest.raises(ValueError, match="below the 1 h minimum"):
         vacuum(lake, retention_hours=0)
     with pytest.raises(ValueError, match="deletedFileRetentionDuration"):  # Delta would ignore it
         vacuum(lake, retention_hours=200)
@@ -141,7 +141,7 @@ def test_restore_by_timestamp_and_bad_input(lake: Settings) -> None:
 
 def test_settings_reject_short_retention() -> None:
     with pytest.raises(SettingsError, match="maintenance.vacuum_retention_hours"):
-        load_settings(environ={}, maintenance={"vacuum_retention_hours": 24})
+        load_settings(environ={}, maintenance={"vacuum_retention_hours": 0.5})
 
 
 def _cli(settings: Settings, *argv: str) -> int:
@@ -216,7 +216,7 @@ def test_upkeep_expires_compacts_and_the_streams_skip_its_deletes(tmp_path: Path
     assert [(r["table"], r["deleted_rows"]) for r in done["retained"]] == [("bronze", 30)]
     compacted = {c["table"]: c for c in done["compacted"]}
     assert compacted["bronze"]["files_after"] == 1  # silver too: its 2 day partitions, a file per batch
-    assert set(done["vacuumed"]) >= {"bronze", "silver"}  # due (lite, 168 h: none deleted)
+    assert set(done["vacuumed"]) >= {"bronze", "silver"}  # due (lite, an hour: none deleted)
     bronze = DeltaTable(s.table_path("bronze"))
     ops = [r["operation"] for r in bronze.history(4)]
     # expired partitions go first: compaction never rewrites rows about to be dropped
@@ -284,6 +284,48 @@ def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path,
     assert got.num_rows > 0 and min(got.column("ingest_time").to_pylist()) > now - timedelta(days=1)
     first = got.sort_by("offset").to_pylist()[0]
     assert first[PARTITION_COLUMN] == first["ingest_time"].strftime("%Y-%m-%d-%H00")
+
+
+def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, spark) -> None:
+    """A stream (the silver query, reading bronze) stopped past the retentions: bronze keeps its
+    whole log, and is not vacuumed, until the stream has read it; then the expired commits go.
+    Tables iotlake creates leave the log to this clean-up (Delta's own does not know the streams)."""
+    import os
+    import time
+
+    from orchestration.maintenance import clean_log
+
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    path = s.table_path("bronze")
+    ensure_table(spark, path, spark.range(1).schema)
+    assert DeltaTable(path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+
+    def drain() -> None:  # the silver query's checkpoint, as a real stream leaves it
+        q = (spark.readStream.format("delta").load(path).writeStream.format("noop")
+             .option("checkpointLocation", s.checkpoint_path("silver")).trigger(availableNow=True).start())
+        q.awaitTermination()
+
+    for i in range(3):
+        spark.range(i, i + 1).write.format("delta").mode("append").save(path)
+    drain()
+    for i in range(3, 23):  # log checkpoints at 10 and 20, none of it read
+        spark.range(i, i + 1).write.format("delta").mode("append").save(path)
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.logRetentionDuration' = "
+              "'interval 1 minutes', 'delta.deletedFileRetentionDuration' = 'interval 1 minutes')")
+    log_dir = Path(path, "_delta_log")
+    hour_ago = time.time() - 3600
+    for f in log_dir.iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    before = sorted(p.name for p in log_dir.iterdir())
+    assert clean_log(s, ["bronze"]) == {"bronze": 0}
+    [vac] = vacuum(s, ["bronze"], lite=True)
+    assert (vac["status"], vac["needed_version"]) == ("stream_lagging", 4)
+    assert sorted(p.name for p in log_dir.iterdir()) == before
+    drain()  # caught up: the stream needs nothing older
+    assert clean_log(s, ["bronze"])["bronze"] > 0
+    assert f"{5:020d}.json" not in {p.name for p in log_dir.iterdir()}
+    assert spark.read.format("delta").load(path).count() == DeltaTable(path).to_pyarrow_table().num_rows == 23
+    assert "status" not in vacuum(s, ["bronze"], lite=True)[0]
 
 
 def test_clean_log_removes_expired_commits_and_their_checksums(tmp_path: Path, spark) -> None:

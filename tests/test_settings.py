@@ -211,19 +211,23 @@ def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) 
 
 
 def test_maintenance_retentions(spark, tmp_path: Path) -> None:
-    """Retentions below 7 days need ``allow_short_retention``; the tables iotlake creates carry
-    the log and deleted-file retentions as Delta properties; an unknown retention table is named."""
+    """Retentions below an hour need ``allow_short_retention``, and the log's must cover
+    vacuum's (Delta's rule); the tables iotlake creates carry both as Delta properties and leave
+    the log's clean-up to iotlake; an unknown retention table is named."""
     from lakehouse.delta_tables import ensure_table
     from lakehouse.tables import BRONZE
 
     m = load_settings(environ={}).maintenance
-    assert (m.auto, m.vacuum_retention_hours, m.log_retention_hours, m.retention_days["bronze"]) == (
-        True, 168, 168, 7)
-    with pytest.raises(SettingsError, match="maintenance.log_retention_hours.*allow_short_retention"):
-        load_settings(environ={"IOTLAKE_MAINTENANCE__LOG_RETENTION_HOURS": "1"})
-    short = load_settings(environ={"IOTLAKE_MAINTENANCE__LOG_RETENTION_HOURS": "0.5",
-                                   "IOTLAKE_MAINTENANCE__ALLOW_SHORT_RETENTION": "true"})
-    assert short.maintenance.log_retention_hours == 0.5
+    assert (m.auto, m.vacuum_retention_hours, m.log_retention_hours, m.vacuum_interval_hours,
+            m.retention_days["bronze"]) == (True, 1, 1, 0.5, 7)
+    with pytest.raises(SettingsError, match="maintenance.vacuum_retention_hours below 1 h.*allow_short_retention"):
+        load_settings(environ={"IOTLAKE_MAINTENANCE__VACUUM_RETENTION_HOURS": "0.5"})
+    with pytest.raises(SettingsError, match="log_retention_hours .1. must be at least vacuum_retention_hours .24."):
+        load_settings(environ={"IOTLAKE_MAINTENANCE__VACUUM_RETENTION_HOURS": "24"})
+    short = load_settings(environ={"IOTLAKE_MAINTENANCE__VACUUM_RETENTION_HOURS": "0.25",
+                                   "IOTLAKE_MAINTENANCE__ALLOW_SHORT_RETENTION": "true",
+                                   "IOTLAKE_MAINTENANCE__LOG_RETENTION_HOURS": "0.5"})
+    assert (short.maintenance.vacuum_retention_hours, short.maintenance.log_retention_hours) == (0.25, 0.5)
     with pytest.raises(SettingsError, match="maintenance.retention_days.*device_current"):
         load_settings(environ={}, maintenance={"retention_days": {"device_current": 1}})
     with pytest.raises(SettingsError, match="must be > 0 days"):
@@ -234,12 +238,12 @@ def test_maintenance_retentions(spark, tmp_path: Path) -> None:
         load_settings(environ={}, maintenance={"retention_days": {"bronze": 0.5}})
     assert load_settings(environ={}, maintenance={"retention_days": {"bronze": 0.5},
                                                   "partition_minutes": 60}).maintenance.partition_minutes == 60
-    # the suite's session was made from the default settings: 168 h each
+    # the suite's session was made from the default settings: an hour each
     path = str(tmp_path / "t")
     ensure_table(spark, path, BRONZE)
     props = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
-    assert props["delta.logRetentionDuration"] == props["delta.deletedFileRetentionDuration"] \
-        == "interval 10080 minutes"
+    assert (props["delta.logRetentionDuration"], props["delta.deletedFileRetentionDuration"],
+            props["delta.enableExpiredLogCleanup"]) == ("interval 60 minutes", "interval 60 minutes", "false")
 
 
 def test_routine_spark_warnings_are_quiet(spark) -> None:
