@@ -116,6 +116,19 @@ def spark(base_dir: Path):
     session.stop()
 
 
+@pytest.fixture(autouse=True)
+def _no_stream_left_running(request: pytest.FixtureRequest):
+    """A streaming query a test leaves on the worker's shared session would run, and take CPU,
+    through every later test of that worker."""
+    yield
+    if "spark" not in request.fixturenames:
+        return
+    active = request.getfixturevalue("spark").streams.active
+    for q in active:
+        q.stop()
+    assert not active, f"left running: {[q.name for q in active]}"
+
+
 # Longest files first (worker-seconds on the 2-core machine, docs/benchmarks.md): with two xdist
 # workers taking whole files, a long file started last would leave one worker idle while the
 # other finishes it. `make test` passes --no-loadscope-reorder: xdist would otherwise order files
