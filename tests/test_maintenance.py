@@ -286,13 +286,24 @@ def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path,
     assert first[PARTITION_COLUMN] == first["ingest_time"].strftime("%Y-%m-%d-%H00")
 
 
+def expire_log(spark, path: str) -> Path:
+    """Retentions of a minute on the table, and every log file an hour old: all of it expired."""
+    import os
+    import time
+
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.logRetentionDuration' = "
+              "'interval 1 minutes', 'delta.deletedFileRetentionDuration' = 'interval 1 minutes')")
+    log_dir = Path(path, "_delta_log")
+    hour_ago = time.time() - 3600
+    for f in log_dir.iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    return log_dir
+
+
 def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, spark) -> None:
     """A stream (the silver query, reading bronze) stopped past the retentions: bronze keeps its
     whole log, and is not vacuumed, until the stream has read it; then the expired commits go.
     Tables iotlake creates leave the log to this clean-up (Delta's own does not know the streams)."""
-    import os
-    import time
-
     from orchestration.maintenance import clean_log
 
     s = load_settings(environ={}, data_root=str(tmp_path / "lake"))
@@ -310,12 +321,7 @@ def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, s
     drain()
     for i in range(3, 23):  # log checkpoints at 10 and 20, none of it read
         spark.range(i, i + 1).write.format("delta").mode("append").save(path)
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.logRetentionDuration' = "
-              "'interval 1 minutes', 'delta.deletedFileRetentionDuration' = 'interval 1 minutes')")
-    log_dir = Path(path, "_delta_log")
-    hour_ago = time.time() - 3600
-    for f in log_dir.iterdir():
-        os.utime(f, (hour_ago, hour_ago))
+    log_dir = expire_log(spark, path)
     before = sorted(p.name for p in log_dir.iterdir())
     assert clean_log(s, ["bronze"]) == {"bronze": 0}
     [vac] = vacuum(s, ["bronze"], lite=True)
@@ -332,21 +338,13 @@ def test_clean_log_removes_expired_commits_and_their_checksums(tmp_path: Path, s
     """Commits past the table's log retention that precede its latest checkpoint go, with the
     checksum files beside them; the table reads the same through delta-spark and delta-rs, and
     takes new commits. (Delta's own clean-up would keep them until the next calendar day.)"""
-    import os
-    import time
-
     from orchestration.maintenance import clean_log
 
     s = load_settings(environ={}, data_root=str(tmp_path / "lake"))
     path = s.table_path("quality_log")
     for i in range(23):  # log checkpoints at versions 10 and 20
         spark.range(i, i + 1).write.format("delta").mode("append").save(path)
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ("
-              "'delta.logRetentionDuration' = 'interval 1 minutes', 'delta.deletedFileRetentionDuration' = 'interval 1 minutes')")
-    log_dir = Path(path, "_delta_log")
-    hour_ago = time.time() - 3600
-    for f in log_dir.iterdir():
-        os.utime(f, (hour_ago, hour_ago))
+    log_dir = expire_log(spark, path)
     assert clean_log(s, ["quality_log"])["quality_log"] > 0
     names = sorted(p.name for p in log_dir.iterdir() if p.is_file())
     versions = {int(n.lstrip(".")[:20]) for n in names if n.lstrip(".")[:20].isdigit()}
