@@ -271,8 +271,7 @@ class MaintenanceSettings(_Section):
     #: ``small_file_bytes``, into files of up to 4x that; bigger files are left alone
     compact_min_files: int = Field(50, ge=2)
     small_file_bytes: int = Field(8 << 20, ge=1 << 16)
-    #: LITE vacuum finds removed files in the log, so it runs within the log's retention
-    vacuum_interval_hours: float = Field(0.5, gt=0)
+    vacuum_interval_hours: float = Field(24.0, gt=0)
     #: days of rows each table keeps (by its time column, lakehouse.tables.RETENTION_COLUMNS);
     #: a table not named keeps everything. Deleted by the built-in upkeep and `iotlake retain`.
     retention_days: dict[str, float] = Field(default_factory=lambda: {

@@ -219,7 +219,7 @@ def test_maintenance_retentions(spark, tmp_path: Path) -> None:
 
     m = load_settings(environ={}).maintenance
     assert (m.auto, m.vacuum_retention_hours, m.log_retention_hours, m.vacuum_interval_hours,
-            m.retention_days["bronze"]) == (True, 1, 1, 0.5, 7)
+            m.retention_days["bronze"]) == (True, 1, 1, 24, 7)
     with pytest.raises(SettingsError, match="maintenance.vacuum_retention_hours below 1 h.*allow_short_retention"):
         load_settings(environ={"IOTLAKE_MAINTENANCE__VACUUM_RETENTION_HOURS": "0.5"})
     with pytest.raises(SettingsError, match="log_retention_hours .1. must be at least vacuum_retention_hours .24."):
