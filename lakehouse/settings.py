@@ -247,8 +247,9 @@ class StreamSettings(_Section):
 
 
 class MaintenanceSettings(_Section):
-    """Table maintenance. Retention must cover the longest time-travel reprocessing window and
-    the longest lag of a stream reading a table, or vacuum deletes files they still need."""
+    """Table maintenance. The log and vacuum retentions are the time-travel horizon (restore,
+    reprocessing as of a version); a stream of the lake that lags past them keeps what it still
+    has to read (``orchestration.maintenance.clean_log`` and ``vacuum``)."""
 
     #: vacuum keeps files any version of this age still needs (the time-travel horizon); a
     #: table a lagging stream has yet to read is not vacuumed until it caught up
