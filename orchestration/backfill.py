@@ -32,12 +32,20 @@ def _committed_offset(checkpoint: str) -> dict | None:
     """The first source's end offset of the last committed batch (None if nothing yet): Spark's
     kafka source writes ``{topic: {partition: offset}}``, Delta's ``{"reservoirVersion": N,
     "index": I, "isStartingVersion": ...}``."""
-    commits_dir = Path(checkpoint, "commits")
-    commits = [int(p.name) for p in commits_dir.glob("[0-9]*")] if commits_dir.exists() else []
-    if not commits:
-        return None
-    lines = Path(checkpoint, "offsets", str(max(commits))).read_text().splitlines()
-    return json.loads(lines[2])
+    batch = _last_batch(Path(checkpoint, "commits"))
+    return None if batch is None else _source_offset(checkpoint, batch)
+
+
+def _last_batch(log_dir: Path) -> int | None:
+    """The highest batch id in a checkpoint's ``commits`` or ``offsets`` folder."""
+    batches = [int(p.name) for p in log_dir.glob("[0-9]*")] if log_dir.exists() else []
+    return max(batches, default=None)
+
+
+def _source_offset(checkpoint: str, batch: int) -> dict | None:
+    """The first source's end offset that batch ``batch`` planned (None: no offset written)."""
+    lines = Path(checkpoint, "offsets", str(batch)).read_text().splitlines()
+    return json.loads(lines[2]) if len(lines) > 2 and lines[2].startswith("{") else None
 
 
 def kafka_offsets(settings: Settings) -> dict[int, tuple[int, int]]:
@@ -77,15 +85,9 @@ def unread_version(settings: Settings, table: str) -> int | None:
 
 def _recent_offsets(checkpoint: str) -> list[dict]:
     """The first source's offsets of the last committed batch and of the batch planned after it."""
-    done = _committed_offset(checkpoint)
-    planned_dir = Path(checkpoint, "offsets")
-    planned = [int(p.name) for p in planned_dir.glob("[0-9]*")] if planned_dir.exists() else []
-    out = [done] if done is not None else []
-    if planned:
-        lines = Path(planned_dir, str(max(planned))).read_text().splitlines()
-        if len(lines) > 2 and lines[2].startswith("{"):
-            out.append(json.loads(lines[2]))
-    return out
+    planned = _last_batch(Path(checkpoint, "offsets"))
+    offsets = [_committed_offset(checkpoint), None if planned is None else _source_offset(checkpoint, planned)]
+    return [o for o in offsets if o is not None]
 
 
 def _delta_done(offset: dict | None) -> tuple[int, int]:

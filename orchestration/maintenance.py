@@ -197,13 +197,21 @@ def interval_hours(interval: str) -> float:
     return sum(float(n) * _UNIT_HOURS[u] for n, u in parts)
 
 
+#: Delta's retention properties and their defaults (hours) when a table does not set them
+_RETENTION_DEFAULTS = {"delta.deletedFileRetentionDuration": 7 * 24.0,
+                       "delta.logRetentionDuration": 30 * 24.0}
+
+
+def _retention_hours(dt: RsTable, key: str) -> float:
+    value = dt.metadata().configuration.get(key)
+    return interval_hours(value) if value else _RETENTION_DEFAULTS[key]
+
+
 def table_retention_hours(path: str) -> float:
     """What vacuum keeps on this table: its ``delta.deletedFileRetentionDuration`` (Delta's
     default, 7 days, when unset). Delta 4 takes vacuum's retention from this property, not from
     ``RETAIN``."""
-    conf = open_table(path).metadata().configuration
-    value = conf.get("delta.deletedFileRetentionDuration")
-    return interval_hours(value) if value else 7 * 24.0
+    return _retention_hours(open_table(path), "delta.deletedFileRetentionDuration")
 
 
 def _quoted(path: str) -> str:
@@ -233,8 +241,9 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
         if not table_exists(path):
             out.append({"table": table, "deleted": [], "status": "missing"})
             continue
-        kept = table_retention_hours(path)
-        lagging = _lagging_reader(settings, table, 0 if retention_hours == 0 else kept)
+        dt = open_table(path)
+        kept = _retention_hours(dt, "delta.deletedFileRetentionDuration")
+        lagging = _lagging_reader(settings, table, dt, 0 if retention_hours == 0 else kept)
         if lagging is not None:  # it still reads files later commits removed
             log.info("vacuum %s: a stream has yet to read version %d, past the retention: "
                      "vacuumed once it catches up", table, lagging)
@@ -341,7 +350,8 @@ def clean_log(settings: Settings, tables: list[str] | None = None) -> dict[str, 
     out: dict[str, int] = {}
     for table in resolve_tables(settings, tables):
         path = settings.table_path(table)
-        lagging = _lagging_reader(settings, table, log_retention_hours(path))
+        dt = open_table(path)
+        lagging = _lagging_reader(settings, table, dt, _retention_hours(dt, "delta.logRetentionDuration"))
         if lagging is not None:
             log.info("%s: a stream has yet to read version %d, past the log retention: its Delta "
                      "log is kept until the stream catches up", table, lagging)
@@ -349,7 +359,7 @@ def clean_log(settings: Settings, tables: list[str] | None = None) -> dict[str, 
             continue
         log_dir = Path(path, "_delta_log")
         before = None if settings.remote else sum(1 for _ in log_dir.iterdir())
-        open_table(path).cleanup_metadata()
+        dt.cleanup_metadata()
         if before is None:
             continue
         names = [p.name for p in log_dir.iterdir()]
@@ -371,22 +381,15 @@ def clean_log(settings: Settings, tables: list[str] | None = None) -> dict[str, 
 _CUTOFF_MARGIN = timedelta(minutes=2)
 
 
-def log_retention_hours(path: str) -> float:
-    """How long the table keeps commit files: its ``delta.logRetentionDuration`` (Delta's
-    default, 30 days, when unset)."""
-    value = open_table(path).metadata().configuration.get("delta.logRetentionDuration")
-    return interval_hours(value) if value else 30 * 24.0
-
-
-def _lagging_reader(settings: Settings, table: str, retention_hours: float) -> int | None:
-    """The version of ``table`` a stream of this lake has yet to read when its commit is older
-    than (or close to) ``retention_hours``, else None: log clean-up would delete that commit,
-    vacuum the files it and later commits added."""
+def _lagging_reader(settings: Settings, table: str, dt: RsTable, retention_hours: float) -> int | None:
+    """The version of ``table`` (open as ``dt``) a stream of this lake has yet to read when its
+    commit is older than (or close to) ``retention_hours``, else None: log clean-up would delete
+    that commit, vacuum the files it and later commits added."""
     from orchestration.backfill import unread_version
 
     path = settings.table_path(table)
     need = unread_version(settings, table)
-    if need is None or need > open_table(path).version():
+    if need is None or need > dt.version():
         return None
     retention = timedelta(hours=retention_hours)
     cutoff = datetime.now(UTC) - retention + min(_CUTOFF_MARGIN, retention / 10)
