@@ -3,8 +3,8 @@
 Delta's log store for local and HDFS paths lists the whole ``_delta_log`` folder whenever it
 looks for new versions (each transaction's start, each stream's batch), and delta-rs lists it
 to open or refresh a table: both grow with the files kept there, which the log retention
-decides (``maintenance.log_retention_hours``; one commit a second keeps two files a second:
-the commit and its checksum). For each ``--log-files`` count this makes a table whose log
+decides (``maintenance.log_retention_hours``; on a local disk each commit leaves four files:
+the commit, Delta's checksum and Hadoop's hidden checksum of each). For each ``--log-files`` count this makes a table whose log
 holds that many older commit and checksum files below its checkpoint (empty: no reader opens
 files older than the checkpoint), then times iotlake's own append (``append``: transaction,
 write, commit) and delta-rs's open and refresh. Last line: one JSON object with the medians
