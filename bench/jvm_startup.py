@@ -40,7 +40,11 @@ PR_SET_CHILD_SUBREAPER = 36
 #: mode -> (JAVA_TOOL_OPTIONS, lines added to the [spark] section of the config)
 MODES = {"default": ("", ""), "c1": ("-XX:TieredStopAtLevel=1", ""),
          "c1_no_archive": ("-XX:TieredStopAtLevel=1", "class_data_sharing = false\n"),
-         "c1_serial_gc": ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", "")}
+         "c1_serial_gc": ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", ""),
+         # classes from the class path loaded without bytecode verification (the JDK's own
+         # classes are never verified): what the suite's short JVMs would save
+         "c1_no_verify": ("-XX:TieredStopAtLevel=1 -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote", ""),
+         "c1_serial_no_verify": ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote", "")}
 
 
 def build(root: Path) -> Path:
@@ -113,7 +117,8 @@ def main() -> None:
     out = {m: {"wall_s": round(statistics.median(w for w, _ in r), 2),
                "cpu_s": round(statistics.median(c for _, c in r), 2)} for m, r in results.items()}
     # <key>_cpu_ratio / <key>_wall_ratio: that mode against C1 with the archive
-    for key, mode in (("", "default"), ("serial_gc_", "c1_serial_gc"), ("archive_", "c1_no_archive")):
+    for key, mode in (("", "default"), ("serial_gc_", "c1_serial_gc"), ("archive_", "c1_no_archive"),
+                      ("no_verify_", "c1_no_verify"), ("serial_no_verify_", "c1_serial_no_verify")):
         if mode in out and "c1" in out:
             for m in ("cpu", "wall"):
                 out[f"{key}{m}_ratio"] = round(out[mode][f"{m}_s"] / out["c1"][f"{m}_s"], 2)

@@ -166,6 +166,8 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     assert "Xms" not in jars.driver_java_options(fixed_heap_mb=0)
     touched = diag.getVMOption("AlwaysPreTouch").getValue() == "true"
     assert touched == any(a.startswith("-Xms") for a in args), args
+    # the heap, once grown, is kept (no shrink after a concurrent cycle)
+    assert diag.getVMOption("MaxHeapFreeRatio").getValue() == "100"
 
 
 def test_a_checkpoint_keeps_only_the_configured_batches(spark, tmp_path: Path) -> None:
