@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.rows, args.commits, args.files_per_batch = 4_000, 4, 1
+        args.rows, args.commits, args.files_per_batch = 2_000, 2, 1
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-silver-bench-"))
     model = profile_model(args.profile)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.devices, args.minutes, args.batch_seconds = 20, 6, 60
+        args.devices, args.minutes, args.batch_seconds = 20, 3, 60
     readings = args.devices * args.minutes * 60 // STEP_S
     commits = args.minutes * 60 // args.batch_seconds
     root = Path(tempfile.mkdtemp(prefix="iotlake-window-merge-"))
