@@ -16,7 +16,7 @@ after the warm-up, over its mean), ``files_max`` (worst table, any sample), ``di
 over first),
 ``latency_p99_drift`` (silver p99 of the probes sent in the last 10 minutes over the first 10
 after warm-up), ``dashboard_p95_ms_max``, ``query_p95_ms_max``, ``lost`` (probes never in
-silver) and ``achieved_rate``. ``--smoke`` is an 18-second run at 50 events/s (windows scaled).
+silver) and ``achieved_rate``. ``--smoke`` is a 30-second run at 50 events/s (windows scaled).
 
     .venv/bin/python bench/soak.py --minutes 60 --rate 1000
 """
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="latency drift compares the last window with the first after warm-up")
     ap.add_argument("--disk-minutes", type=float, default=20, help="disk growth over the last N minutes")
     ap.add_argument("--probe-rate", type=float, default=2, help="probe readings per second")
-    ap.add_argument("--smoke", action="store_true", help="18 s at 50 events/s: the bench still works")
+    ap.add_argument("--smoke", action="store_true", help="30 s at 50 events/s: the bench still works")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.minutes, args.rate, args.devices, args.retention_minutes = 0.3, 50, 10, 1
-        args.sample_seconds, args.warmup_minutes, args.window_minutes, args.disk_minutes = 4, 0.1, 0.15, 0.25
+        args.minutes, args.rate, args.devices, args.retention_minutes = 0.5, 50, 10, 1
+        args.sample_seconds, args.warmup_minutes, args.window_minutes, args.disk_minutes = 6, 0.15, 0.25, 0.4
     if args.minutes <= args.warmup_minutes + args.window_minutes:
         ap.error("--minutes must exceed --warmup-minutes + --window-minutes")
     result = run(args)

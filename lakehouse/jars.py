@@ -60,18 +60,20 @@ def java_binary() -> str | None:
     return shutil.which("java")
 
 
+#: G1 hands heap back after a concurrent cycle that leaves it mostly free, and takes it again at
+#: the next load peak: a long run's heap swung by ~300 MB, page faults each time it grew
+#: (docs/benchmarks.md, session 28). With this the heap grows to what the load needs (at most
+#: ``spark.driver_memory``) and stays there.
+KEEP_HEAP = "-XX:MaxHeapFreeRatio=100"
+
+
 def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0,
                         fixed_heap_mb: int = 0) -> str:
     """JVM options of the Spark driver: log level, ``native_memory.jvm_options`` (bounded NIO
     buffer caches, native heap trims), a heap that does not shrink once grown, the
     compiled-code cache's size (``spark.code_cache_mb``), a heap fixed and touched at start
     (``spark.fixed_heap``; Spark sets -Xmx itself) and the class archive when there is one."""
-    # G1 hands heap back after a concurrent cycle that leaves it mostly free, and takes it again
-    # at the next load peak: a long run's heap swung by ~300 MB, page faults each time it grew
-    # (docs/benchmarks.md, session 28). It grows to what the load needs (at most driver_memory)
-    # and stays there.
-    opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary()),
-                     "-XX:MaxHeapFreeRatio=100"))
+    opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary()), KEEP_HEAP))
     if fixed_heap_mb:
         opts += f" -Xms{fixed_heap_mb}m -XX:+AlwaysPreTouch"
     if code_cache_mb:

@@ -139,7 +139,8 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     from lakehouse import jars, native_memory
 
     monkeypatch.setenv("IOTLAKE_JARS_DIR", str(tmp_path))
-    plain = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(jars.java_binary())))
+    plain = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(jars.java_binary()),
+                      jars.KEEP_HEAP))
     assert jars.driver_java_options() == plain  # no archive: plain start
     archive = jars.class_archive()
     archive.parent.mkdir(parents=True)
