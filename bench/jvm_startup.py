@@ -6,9 +6,11 @@ the two cores. This bench runs the same ``iotlake backfill --layer silver --laye
 small bronze table (500 rows), alternating default JIT and ``-XX:TieredStopAtLevel=1``, and
 measures the wall time and the CPU of the whole process tree. A third mode, C1 without the
 driver's class-data-sharing archive (``spark.class_data_sharing = false``), measures what the
-archive ``make`` builds saves. Orphaned JVMs are counted too:
+archive ``make`` builds saves; others try serial GC and loading without bytecode verification
+(``--modes``). Orphaned JVMs are counted too:
 the launcher is a child subreaper. Last line: one JSON object with the medians and
-``cpu_ratio`` (default / C1) and ``archive_cpu_ratio`` (no archive / C1 with it).
+``cpu_ratio`` (default / C1), ``archive_cpu_ratio`` (no archive / C1 with it) and a
+``<mode>_cpu_ratio`` for each other mode run.
 
     .venv/bin/python bench/jvm_startup.py [--runs 3]
 """
@@ -37,14 +39,15 @@ from lakehouse.settings import load_settings  # noqa: E402
 from tests.lakehouse_fixture import write_bronze  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36
+NO_VERIFY = "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
 #: mode -> (JAVA_TOOL_OPTIONS, lines added to the [spark] section of the config)
 MODES = {"default": ("", ""), "c1": ("-XX:TieredStopAtLevel=1", ""),
          "c1_no_archive": ("-XX:TieredStopAtLevel=1", "class_data_sharing = false\n"),
          "c1_serial_gc": ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", ""),
          # classes from the class path loaded without bytecode verification (the JDK's own
          # classes are never verified): what the suite's short JVMs would save
-         "c1_no_verify": ("-XX:TieredStopAtLevel=1 -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote", ""),
-         "c1_serial_no_verify": ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote", "")}
+         "c1_no_verify": (f"-XX:TieredStopAtLevel=1 {NO_VERIFY}", ""),
+         "c1_serial_no_verify": (f"-XX:TieredStopAtLevel=1 -XX:+UseSerialGC {NO_VERIFY}", "")}
 
 
 def build(root: Path) -> Path:

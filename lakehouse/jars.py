@@ -60,10 +60,10 @@ def java_binary() -> str | None:
     return shutil.which("java")
 
 
-#: G1 hands heap back after a concurrent cycle that leaves it mostly free, and takes it again at
-#: the next load peak: a long run's heap swung by ~300 MB, page faults each time it grew
-#: (docs/benchmarks.md, session 28). With this the heap grows to what the load needs (at most
-#: ``spark.driver_memory``) and stays there.
+#: G1 hands heap back after a concurrent cycle that leaves it mostly free and takes it again at
+#: the next load peak, page faults and all: a long run's RSS swung by more than its hour of
+#: native growth (docs/benchmarks.md, session 28). With this the heap grows to what the load
+#: needs (at most ``spark.driver_memory``) and stays there.
 KEEP_HEAP = "-XX:MaxHeapFreeRatio=100"
 
 

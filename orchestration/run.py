@@ -181,10 +181,9 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             if bridge is not None:
                 check_bridge(bridge)
             if time.monotonic() - released >= RELEASE_MEMORY_SECONDS:
-                # The DataFrames each batch creates sit in Python reference cycles, and through
-                # py4j they keep their plans alive in the JVM until a full collection: CPython
-                # ran one every few minutes here, while the Spark JVM's live heap grew by ~70 MB
-                # a minute of old plans for G1 to mark (docs/benchmarks.md, session 28).
+                # The DataFrames each batch creates sit in Python reference cycles and, through
+                # py4j, keep their plans alive in the JVM until CPython's next full collection,
+                # minutes apart under this load (docs/benchmarks.md, session 28).
                 gc.collect()
                 native_memory.release()
                 released = time.monotonic()
