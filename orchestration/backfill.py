@@ -85,8 +85,8 @@ def unread_version(settings: Settings, table: str) -> int | None:
 
 def _recent_offsets(checkpoint: str) -> list[dict]:
     """The first source's offsets of the last committed batch and of the batch planned after it."""
-    planned = _last_batch(Path(checkpoint, "offsets"))
-    offsets = [_committed_offset(checkpoint), None if planned is None else _source_offset(checkpoint, planned)]
+    batches = {_last_batch(Path(checkpoint, d)) for d in ("commits", "offsets")} - {None}
+    offsets = [_source_offset(checkpoint, b) for b in sorted(batches)]  # often the same batch
     return [o for o in offsets if o is not None]
 
 

@@ -207,13 +207,6 @@ def _retention_hours(dt: RsTable, key: str) -> float:
     return interval_hours(value) if value else _RETENTION_DEFAULTS[key]
 
 
-def table_retention_hours(path: str) -> float:
-    """What vacuum keeps on this table: its ``delta.deletedFileRetentionDuration`` (Delta's
-    default, 7 days, when unset). Delta 4 takes vacuum's retention from this property, not from
-    ``RETAIN``."""
-    return _retention_hours(open_table(path), "delta.deletedFileRetentionDuration")
-
-
 def _quoted(path: str) -> str:
     return "delta.`" + path.replace("`", "``") + "`"
 
