@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from procs import IOTLAKE, by_role  # noqa: E402  (bench/ is on sys.path)
+from procs import IOTLAKE, by_role, stop_now  # noqa: E402  (bench/ is on sys.path)
 
 from lakehouse.delta_read import commit_adds, latest_version  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
@@ -152,10 +152,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
             sim.send_signal(signal.SIGINT)
             sim.wait(30)
             sim_seconds = time.monotonic() - sim_start
-        child.send_signal(signal.SIGINT)
-        try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
+        if not stop_now(child):
             child.kill()
     lat_s = np.array([silver_seen[e] - published[e] for e in published if e in silver_seen])
     lat_c = np.array([current_seen[e] - published[e] for e in published if e in current_seen])

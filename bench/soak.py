@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_latency import _achieved_rate, _probe, _wait, _watch  # noqa: E402  (bench/ is on sys.path)
-from procs import IOTLAKE, by_role  # noqa: E402
+from procs import IOTLAKE, by_role, stop_now  # noqa: E402
 
 from lakehouse.settings import Settings, load_settings  # noqa: E402
 from lakehouse.tables import RETENTION_COLUMNS, SCHEMAS  # noqa: E402
@@ -145,10 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         stop.set()
         if sim is not None and sim.poll() is None:
             sim.kill()
-        pipeline.send_signal(signal.SIGINT)
-        try:
-            pipeline.wait(120)
-        except subprocess.TimeoutExpired:
+        if not stop_now(pipeline, 120):
             os.killpg(pipeline.pid, signal.SIGKILL)
     out = summary(args, samples, published, silver_seen, current_seen,
                   _achieved_rate(root / "simulate.log", sim_seconds) if sim_seconds else None, root)
