@@ -1,5 +1,6 @@
 """`make run` twice: Ctrl-C stops `iotlake run` cleanly, the embedded Kafka keeps what the bridge
-delivered on disk, and a second run on the same data root resumes bronze where it stopped."""
+delivered on disk, and a second run on the same data root resumes bronze where it stopped; Ctrl-C
+twice stops it without waiting for the running batches, and loses nothing either."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def _rows(path: str) -> int:
     return row_count(path)
 
 
-def _run_until(cmd: list[str], env: dict[str, str], log: Path, bronze: str, rows: int) -> str:
-    """Start ``iotlake run``, wait for ``rows`` bronze rows, Ctrl-C it; its log."""
+def _run_until(cmd: list[str], env: dict[str, str], log: Path, bronze: str, rows: int,
+               twice: bool = False) -> str:
+    """Start ``iotlake run``, wait for ``rows`` bronze rows, Ctrl-C it (``twice``: again a second
+    later, not waiting for the running batches); its log."""
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -34,6 +37,11 @@ def _run_until(cmd: list[str], env: dict[str, str], log: Path, bronze: str, rows
             assert time.monotonic() < deadline, f"no {rows} bronze rows:\n{log.read_text()[-3000:]}"
             time.sleep(0.5)
         p.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        if twice:
+            try:
+                p.wait(1)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGINT)
         assert p.wait(180) == 0, log.read_text()[-3000:]
     finally:
         if p.poll() is None:
@@ -77,7 +85,8 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_resumes_from_the_durable_kafka(tm
     n1 = _delivered(first)
     assert 300 <= _rows(bronze) <= n1  # the rest waits in Kafka, on disk
 
-    second = _run_until(cmd, env, tmp_path / "run2.log", bronze, n1 + 300)
+    second = _run_until(cmd, env, tmp_path / "run2.log", bronze, n1 + 300, twice=True)
+    assert "signal SIGINT again: stopping now" in second
     n2 = _delivered(second)
     # The broker kept every record across both runs: its end offsets are what the bridges
     # delivered, and bronze read each offset from 0 at most once, without gaps.
