@@ -32,6 +32,12 @@ from lakehouse.settings import load_settings
 from lakehouse.spark import spark_session
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; None when b rounds to nothing (a smoke run's few batches on a shared JVM, whose
+    process tree can even lose CPU seconds to a Python worker that exited)."""
+    return round(a / b, 2) if b > 0 else None
+
+
 def run(spark, root: Path, mode: str, bronze: str, batch_rows: int, edge: int) -> dict:
     s = load_settings(environ={}, data_root=str(root / mode),
                       stream={"watermark_seconds": 600, "dedup": mode,
@@ -81,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             "rows": args.rows, "batch_rows": args.batch_rows, "step_ms": args.step_ms,
             "state_store_last_batches_ms": base["last_batches_ms"],
             "index_last_batches_ms": new["last_batches_ms"],
-            "last_batches_speedup": round(base["last_batches_ms"] / new["last_batches_ms"], 2),
-            "cpu_ratio": round(base["cpu_s"] / new["cpu_s"], 2),
+            "last_batches_speedup": _ratio(base["last_batches_ms"], new["last_batches_ms"]),
+            "cpu_ratio": _ratio(base["cpu_s"], new["cpu_s"]),
             "state_store_rows_per_s": base["rows_per_s"], "index_rows_per_s": new["rows_per_s"],
             "state_store_cpu_s": base["cpu_s"], "index_cpu_s": new["cpu_s"],
             "load_avg_1m": os.getloadavg()[0]}))
