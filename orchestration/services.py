@@ -266,9 +266,9 @@ def kafka_properties(settings: Settings, port: int, controller_port: int, log_di
         "share.coordinator.state.topic.replication.factor": 1,
         "share.coordinator.state.topic.min.isr": 1,
         "group.initial.rebalance.delay.ms": 0,
-        # After a kill -9 the restarted node waits out its own previous broker session before
-        # it serves (12 s with Kafka's 9 s default, 6.5 s with this); one node has no other
-        # broker to fail over to, so a shorter session only makes a crash's restart quicker.
+        # After a kill -9 the restarted node waits out its own previous broker session before it
+        # serves (docs/benchmarks.md, session 29); one node has no other broker to fail over
+        # to, so a shorter session only makes a crash's restart quicker.
         "broker.session.timeout.ms": 4000,
         "broker.heartbeat.interval.ms": 1000,
         "num.network.threads": 2,
