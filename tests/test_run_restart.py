@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from deltalake import DeltaTable
+from procs import stop_now
 
 from lakehouse.delta_read import row_count
 from lakehouse.settings import load_settings
@@ -36,12 +37,10 @@ def _run_until(cmd: list[str], env: dict[str, str], log: Path, bronze: str, rows
             assert p.poll() is None, f"iotlake run exited {p.returncode}:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no {rows} bronze rows:\n{log.read_text()[-3000:]}"
             time.sleep(0.5)
-        p.send_signal(signal.SIGINT)  # what Ctrl-C sends
         if twice:
-            try:
-                p.wait(1)
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGINT)
+            stop_now(p, 180)  # Ctrl-C, and again a second later
+        else:
+            p.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert p.wait(180) == 0, log.read_text()[-3000:]
     finally:
         if p.poll() is None:
