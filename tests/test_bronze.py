@@ -109,15 +109,25 @@ def test_slow_traffic_is_batched_up_to_the_delay(settings: Settings, spark) -> N
             while len(bronze_rows(settings)) < n and time.monotonic() < deadline:
                 time.sleep(0.1)
 
+        def reported() -> list[int]:
+            return [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+
+        def progressed(n: int) -> None:  # a batch's rows are visible before its progress is posted
+            deadline = time.monotonic() + 30
+            while sum(reported()) < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+
         sent = produce(settings, 0, 5)
         landed(5)  # the query runs: its first batch is behind it
-        first = len([p for p in q.recentProgress if p["numInputRows"]])
+        progressed(5)
+        first = len(reported())
         for k in range(1, 11):
             sent |= produce(settings, k * 5, 5)
             time.sleep(0.3)
         landed(55)
+        progressed(55)
         assert bronze_rows(settings) == sent
-        batches = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]][first:]
+        batches = reported()[first:]
         assert sum(batches) == 50 and len(batches) <= 2, batches
     finally:
         q.stop()
