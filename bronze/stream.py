@@ -24,7 +24,6 @@ from lakehouse.tables import BRONZE, PARTITION_COLUMN, bucket_sql
 
 TABLE = "bronze"
 SCHEMA = BRONZE
-STATS_COLUMNS = {"delta.dataSkippingStatsColumns": "topic,partition,offset,timestamp,ingest_time"}
 
 #: librdkafka keys the Java client reads under the same name (``kafka.`` prefixed for Spark).
 _SHARED_KEYS = ("security.protocol", "sasl.mechanism", "ssl.endpoint.identification.algorithm",
@@ -89,12 +88,9 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           max_offsets: int | None = None) -> StreamingQuery:
     path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
-    # readers see an empty table before data; file statistics only on the columns queries
-    # filter bronze by (Kafka coordinates, times), not on the raw key, value and headers
-    # partitioned by the ingest time's bucket, computed by the stream into a plain column (as
-    # bronze tables have always been created)
-    delta_tables.ensure_named_table(spark, settings, TABLE, SCHEMA, properties=STATS_COLUMNS,
-                                    generated=False)
+    # readers see an empty table before data; partitioned by the ingest time's bucket, computed
+    # by the stream into a plain column (as bronze tables have always been created)
+    delta_tables.ensure_named_table(spark, settings, TABLE, SCHEMA, generated=False)
     # Started on its own (a bronze role, a backfill), bronze may come up before the bridge has
     # created the topic; subscribing to a missing topic fails the query.
     ensure_topics(settings)

@@ -26,8 +26,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
+from lakehouse.delta_read import open_table, table_exists
 from lakehouse.settings import Settings
-from lakehouse.tables import time_partitioning
+from lakehouse.tables import STATS_COLUMNS_PROPERTY, stats_columns, time_partitioning
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,32 @@ def ensure_named_table(spark: SparkSession, settings: Settings, table: str,
                        generated: bool = True) -> None:
     """``ensure_table`` for one of the lakehouse's tables at its place under ``settings``: a
     table retention can expire is partitioned by the time bucket of its retention column
-    (``generated=False``: its writer computes the bucket)."""
+    (``generated=False``: its writer computes the bucket), with statistics on the columns in
+    ``tables.STATS_COLUMNS``. A table created before iotlake chose them gets them once."""
+    path = settings.table_path(table)
+    stats = stats_columns(table, settings.telemetry)
+    if stats and table_exists(path):
+        _add_stats_columns(spark, path, stats)
+        return
     part = time_partitioning(table, settings.maintenance.partition_minutes, generated)
-    ensure_table(spark, settings.table_path(table), schema, partition_by=part.get("partition_by", ()),
+    stats_prop = {STATS_COLUMNS_PROPERTY: ",".join(stats)} if stats else {}
+    ensure_table(spark, path, schema, partition_by=part.get("partition_by", ()),
                  generated=part.get("generated"), extra_columns=part.get("extra_columns"),
-                 properties={**part.get("properties", {}), **(properties or {})})
+                 properties={**part.get("properties", {}), **stats_prop, **(properties or {})})
+
+
+def _add_stats_columns(spark: SparkSession, path: str, stats: Sequence[str]) -> None:
+    """Name the statistics columns of a table that has none named (Delta's default: the first
+    32 columns); files written before keep theirs."""
+    rs = open_table(path)
+    if STATS_COLUMNS_PROPERTY in rs.metadata().configuration:
+        return
+    have = set(rs.schema().to_arrow().names)
+    cols = ",".join(c for c in stats if c in have)
+    retry_conflicts(lambda: spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
+                                      f"('{STATS_COLUMNS_PROPERTY}' = '{cols}')"),
+                    f"set the statistics columns of {path}")
+    log.info("%s: file statistics on %s from now on", path, cols)
 
 
 def add_missing_columns(spark: SparkSession, path: str, schema: pa.Schema | StructType) -> list[str]:
@@ -218,7 +240,6 @@ def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, si
     oldest of those files on are replaced in one commit (Delta's ``replaceWhere``), written
     back sorted by ``column`` in files of at most ``rows_per_file`` rows: closed windows end up
     in files no later batch touches. A table without file statistics on ``column`` is MERGEd."""
-    from lakehouse.delta_read import open_table
 
     table_rs = open_table(path)
     recent = _recent_files(table_rs, column, since)

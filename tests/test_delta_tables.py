@@ -141,3 +141,47 @@ def test_upsert_recent_rewrites_only_the_files_of_recent_windows(spark, tmp_path
     adds = pa.table(DeltaTable(path).get_add_actions(flatten=True)).sort_by("min.window_start")
     lo, hi = adds.column("min.window_start").to_pylist(), adds.column("max.window_start").to_pylist()
     assert all(h <= nxt for h, nxt in zip(hi, lo[1:], strict=False))
+
+
+
+def metric_windows(spark, minutes: range):
+    """``gold_metrics_*`` rows of device d1's metric m, one per minute of 2026-11-26 10:xx."""
+    return spark.range(minutes.start, minutes.stop).selectExpr(
+        "'d1' as device_id", "'m' as metric",
+        "timestamp'2026-11-26 10:00:00' + make_interval(0, 0, 0, 0, 0, cast(id as int), 0) as window_start",
+        "timestamp'2026-11-26 10:01:00' + make_interval(0, 0, 0, 0, 0, cast(id as int), 0) as window_end",
+        "1L as count", "cast(id as double) as mean", "cast(id as double) as min",
+        "cast(id as double) as max", "cast(null as double) as stddev", "cast(id as double) as last")
+
+
+def test_statistics_only_on_the_columns_reads_filter_on(spark, tmp_path: Path) -> None:
+    """Tables keep file statistics on their keys and times only (``tables.STATS_COLUMNS``); a
+    table from before gets them named once, and a stream reading it reads across that commit."""
+    from lakehouse.settings import load_settings
+    from lakehouse.tables import METRIC_WINDOWS, STATS_COLUMNS_PROPERTY
+
+    s = load_settings(environ={}, data_root=str(tmp_path))
+    delta_tables.ensure_named_table(spark, s, "gold_metrics_1m", METRIC_WINDOWS)
+    new = s.table_path("gold_metrics_1m")
+    delta_tables.append(metric_windows(spark, range(3)), new, "app", 0)
+    stats = {c.split(".", 1)[1] for c in DeltaTable(new).get_add_actions(flatten=True).column_names
+             if c.startswith("min.")}
+    assert stats == {"device_id", "metric", "window_start", "window_end"}
+
+    old = s.table_path("gold_metrics_5m")  # as iotlake created tables before: Delta's default
+    delta_tables.ensure_table(spark, old, METRIC_WINDOWS)
+    delta_tables.append(metric_windows(spark, range(3)), old, "app", 0)
+    delta_tables.ensure_named_table(spark, s, "gold_metrics_5m", METRIC_WINDOWS)
+    delta_tables.ensure_named_table(spark, s, "gold_metrics_5m", METRIC_WINDOWS)  # once
+    log = DeltaTable(old)
+    assert log.metadata().configuration[STATS_COLUMNS_PROPERTY] == "device_id,metric,window_start,window_end"
+    assert [h["operation"] for h in log.history()] == ["SET TBLPROPERTIES", "WRITE", "CREATE TABLE"]
+    delta_tables.append(metric_windows(spark, range(3, 5)), old, "app", 1)
+    q = (spark.readStream.format("delta").load(old).writeStream.format("memory")
+         .queryName("stats_upgrade").trigger(availableNow=True).start())
+    try:
+        q.awaitTermination()
+        assert q.exception() is None
+        assert sorted(r.mean for r in spark.table("stats_upgrade").collect()) == [0, 1, 2, 3, 4]
+    finally:
+        q.stop()
