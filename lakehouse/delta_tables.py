@@ -240,7 +240,6 @@ def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, si
     oldest of those files on are replaced in one commit (Delta's ``replaceWhere``), written
     back sorted by ``column`` in files of at most ``rows_per_file`` rows: closed windows end up
     in files no later batch touches. A table without file statistics on ``column`` is MERGEd."""
-
     table_rs = open_table(path)
     recent = _recent_files(table_rs, column, since)
     if recent is None or recent[1] <= rows_per_file:

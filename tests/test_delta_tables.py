@@ -143,7 +143,6 @@ def test_upsert_recent_rewrites_only_the_files_of_recent_windows(spark, tmp_path
     assert all(h <= nxt for h, nxt in zip(hi, lo[1:], strict=False))
 
 
-
 def metric_windows(spark, minutes: range):
     """``gold_metrics_*`` rows of device d1's metric m, one per minute of 2026-11-26 10:xx."""
     return spark.range(minutes.start, minutes.stop).selectExpr(
