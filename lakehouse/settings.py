@@ -168,8 +168,9 @@ class SparkSettings(_Section):
     class_data_sharing: bool = True
     # Spark compiles the expressions of every task (projections, orderings: Java source built,
     # cleaned with regexes, looked up or compiled by Janino) even when the compiled class is
-    # cached: small micro-batches never earn that back. false: interpreted expressions
-    # (whole-stage code generation stays). docs/benchmarks.md, session 14.
+    # cached: small micro-batches never earn that back. false: every plan runs interpreted
+    # (Spark's NO_CODEGEN also turns whole-stage code generation off). docs/benchmarks.md,
+    # sessions 14 and 30.
     expression_codegen: bool = False
     # glibc malloc arenas of the driver JVM (MALLOC_ARENA_MAX; 0: glibc's default, up to 8 per
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
