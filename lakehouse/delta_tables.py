@@ -70,8 +70,7 @@ def ensure_table(spark: SparkSession, path: str, schema: pa.Schema | StructType,
 
 
 def ensure_named_table(spark: SparkSession, settings: Settings, table: str,
-                       schema: pa.Schema | StructType, properties: dict[str, str] | None = None,
-                       generated: bool = True) -> None:
+                       schema: pa.Schema | StructType, generated: bool = True) -> None:
     """``ensure_table`` for one of the lakehouse's tables at its place under ``settings``: a
     table retention can expire is partitioned by the time bucket of its retention column
     (``generated=False``: its writer computes the bucket), with statistics on the columns in
@@ -85,7 +84,7 @@ def ensure_named_table(spark: SparkSession, settings: Settings, table: str,
     stats_prop = {STATS_COLUMNS_PROPERTY: ",".join(stats)} if stats else {}
     ensure_table(spark, path, schema, partition_by=part.get("partition_by", ()),
                  generated=part.get("generated"), extra_columns=part.get("extra_columns"),
-                 properties={**part.get("properties", {}), **stats_prop, **(properties or {})})
+                 properties={**part.get("properties", {}), **stats_prop})
 
 
 def _add_stats_columns(spark: SparkSession, path: str, stats: Sequence[str]) -> None:
