@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 
 from confluent_kafka import Producer
 
@@ -98,7 +99,8 @@ def test_killed_mid_run_restart_loses_nothing_and_duplicates_nothing(settings: S
 
 def test_slow_traffic_is_batched_up_to_the_delay(settings: Settings, spark) -> None:
     """``stream.min_offsets_per_trigger``: records trickling in for ~3 s at a 0.2 s trigger land
-    in at most two batches (the 2 s delay fires), not about one per trigger."""
+    in a batch per 2 s delay (two, unless a loaded machine stretches the trickle), not about
+    one per trigger."""
     settings.stream.trigger_seconds = 0.2
     settings.stream.min_offsets_per_trigger = 10_000
     settings.stream.max_batch_delay_seconds = 2.0
@@ -124,10 +126,14 @@ def test_slow_traffic_is_batched_up_to_the_delay(settings: Settings, spark) -> N
         for k in range(1, 11):
             sent |= produce(settings, k * 5, 5)
             time.sleep(0.3)
+        trickled = time.time()
         landed(55)
         progressed(55)
         assert bronze_rows(settings) == sent
         batches = reported()[first:]
-        assert sum(batches) == 50 and len(batches) <= 2, batches
+        # the delay runs from the last batch's trigger: one batch per delay the trickle spans
+        since = datetime.fromisoformat([p for p in q.recentProgress if p["numInputRows"]][first - 1]["timestamp"])
+        allowed = 1 + int((trickled - since.timestamp()) // settings.stream.max_batch_delay_seconds)
+        assert sum(batches) == 50 and len(batches) <= allowed, (batches, allowed)
     finally:
         q.stop()
