@@ -52,6 +52,12 @@ def class_archive() -> Path:
     return jars_root() / "cds" / "spark-driver.jsa"
 
 
+def kafka_class_archive() -> Path:
+    """The embedded Kafka broker's class-data-sharing archive (``make`` records it with
+    ``infra/jvm/kafka_archive.py``; a broker that cannot use it starts without it)."""
+    return jars_root() / "cds" / "kafka-broker.jsa"
+
+
 def java_binary() -> str | None:
     """The ``java`` Spark's launcher runs too: ``$JAVA_HOME/bin/java``, else the one on PATH."""
     home = os.environ.get("JAVA_HOME")

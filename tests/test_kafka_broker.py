@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -109,3 +110,16 @@ def test_a_broker_left_running_by_a_killed_run_is_stopped_at_the_next_start(tmp_
         assert new.running and new.proc.pid != old.proc.pid
     finally:
         new.stop()
+
+
+def test_the_broker_maps_its_class_archive(brokers) -> None:
+    """`make test` records the broker's class archive; the session's broker maps it (a broker
+    without one, or with a stale one, starts as before)."""
+    from lakehouse import jars
+
+    archive = jars.kafka_class_archive()
+    kafka = next(s for s in brokers if s.name == "kafka")
+    maps = Path(f"/proc/{kafka.proc.pid}/maps").read_text()
+    assert (str(archive) in maps) == archive.is_file(), archive
+    if os.environ.get("CI"):  # `make test` built it: CI must not pass without it
+        assert archive.is_file()
