@@ -58,10 +58,10 @@ archive: $(CDS)         ## record the Spark driver's class archive now (make run
 # The embedded broker's class archive (one broker start, ~10 s): every later broker starts in
 # ~40% less time and CPU. Built for test as well.
 $(KAFKA_CDS): $(JARS)/kafka/.resolved | $(STAMP)
-	$(BIN)/python infra/jvm/kafka_archive.py $@
+	$(BIN)/python infra/jvm/class_archive.py kafka $@
 
 $(CDS): $(JARS)/spark/.resolved $(JARS)/kafka/.resolved | $(STAMP)
-	$(BIN)/python infra/jvm/class_archive.py $@
+	$(BIN)/python infra/jvm/class_archive.py spark $@
 
 # uv installs the pinned set (infra/python/constraints.txt) in half pip's time
 $(STAMP): pyproject.toml infra/python/constraints.txt

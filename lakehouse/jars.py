@@ -47,14 +47,14 @@ def kafka_classpath() -> str:
 
 def class_archive() -> Path:
     """The driver JVM's class-data-sharing archive (``make`` builds it with
-    ``infra/jvm/class_archive.py``; a JVM that cannot use it, e.g. after a JDK or jar update,
+    ``infra/jvm/class_archive.py spark``; a JVM that cannot use it, e.g. after a JDK or jar update,
     starts without it)."""
     return jars_root() / "cds" / "spark-driver.jsa"
 
 
 def kafka_class_archive() -> Path:
     """The embedded Kafka broker's class-data-sharing archive (``make`` records it with
-    ``infra/jvm/kafka_archive.py``; a broker that cannot use it starts without it)."""
+    ``infra/jvm/class_archive.py kafka``; a broker that cannot use it starts without it)."""
     return jars_root() / "cds" / "kafka-broker.jsa"
 
 
