@@ -84,8 +84,14 @@ def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0,
         opts += f" -Xms{fixed_heap_mb}m -XX:+AlwaysPreTouch"
     if code_cache_mb:
         opts += f" -XX:ReservedCodeCacheSize={code_cache_mb}m"
-    archive = class_archive()
-    if class_data_sharing and archive.is_file():
-        # -Xlog off: a stale archive is skipped silently rather than warned about on every start
-        opts += f" -XX:SharedArchiveFile={archive} -Xlog:cds=off -Xlog:cds+dynamic=off"
+    if class_data_sharing:
+        opts = " ".join((opts, *archive_options(class_archive())))
     return opts
+
+
+def archive_options(archive: Path) -> list[str]:
+    """JVM options that map ``archive`` when there is one. -Xlog off: a stale archive (a JDK or
+    jar update) is skipped silently rather than warned about on every start."""
+    if not archive.is_file():
+        return []
+    return [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]

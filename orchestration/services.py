@@ -300,10 +300,7 @@ def kafka_service(settings: Settings, port: int | None = None, record_archive: P
     # Serial GC and C1 only: on a small machine the broker starts in about half the time, with
     # no slower produce, and RSS stays near the heap (docs/benchmarks.md).
     # The class archive: the broker starts in ~40% less time and CPU (docs/benchmarks.md).
-    # -Xlog off: a stale archive (a JDK or jar update) is skipped without a warning per start.
-    archive = jars.kafka_class_archive()
-    cds = ([f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]
-           if record_archive is None and archive.is_file() else [])
+    cds = [] if record_archive else jars.archive_options(jars.kafka_class_archive())
     jvm = [java, f"-Xmx{heap}m", f"-Xms{min(64, heap)}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *native_memory.jvm_options(java),
            *cds, f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
