@@ -28,6 +28,9 @@ KINDS = ("valid", "duplicate", "malformed", "late")
 _MALFORMED = ("not_json", "truncated", "no_event_id", "no_ts")
 #: Pacing sleeps only once this far ahead of schedule, then publishes what is due in a burst.
 _PACE_SLACK = 0.002
+#: How often a publisher waiting for a free in-flight slot checks for a stop, and when it warns.
+_SLOT_WAIT = 0.5
+_STALL_WARNING = 10.0
 
 
 @dataclass(frozen=True)
@@ -327,7 +330,7 @@ class _Publisher:
     def __init__(self, settings: Settings, max_inflight: int, qos: int = 1) -> None:
         if not 1 <= max_inflight <= 60_000:
             raise ValueError("max_inflight must be in 1..60000 (paho message ids are 16-bit)")
-        self.qos = qos
+        self.qos, self.max_inflight = qos, max_inflight
         self.slots = threading.BoundedSemaphore(max_inflight)
         self.acked = 0
         self.connected = threading.Event()
@@ -355,12 +358,22 @@ class _Publisher:
         self.acked += 1
         self.slots.release()
 
-    def send(self, topic: str, payload: bytes) -> None:
-        self.slots.acquire()
+    def send(self, topic: str, payload: bytes, stop: threading.Event | None = None) -> bool:
+        """Publish once a slot is free; False, unsent, if ``stop`` is set while the broker
+        acknowledges nothing (a stalled broker must not keep a stopping simulator alive)."""
+        waited = 0.0
+        while not self.slots.acquire(timeout=_SLOT_WAIT):
+            waited += _SLOT_WAIT
+            if stop is not None and stop.is_set():
+                return False
+            if waited == _STALL_WARNING:
+                log.warning("no MQTT acknowledgement for %.0fs (%d publishes in flight)",
+                            waited, self.max_inflight)
         info = self.client.publish(topic, payload, qos=self.qos)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued, resent
             self.slots.release()
             raise RuntimeError(f"MQTT publish failed: {mqtt.error_string(info.rc)}")
+        return True
 
     def drain(self, sent: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -395,11 +408,14 @@ def publish(settings: Settings, messages: Iterable[Message], rate: float | None 
 
 
 def run_forever(settings: Settings, rate: float, devices: int, stop: threading.Event,
-                faults: dict | None = None, profile: str | None = None) -> int:
+                faults: dict | None = None, profile: str | None = None,
+                drain_seconds: float = 30.0) -> int:
     """Continuous mode: publish ``rate`` msg/s until ``stop``. ``faults`` gives the fractions
     of ``duplicates``, ``malformed`` and ``late`` messages (e.g. ``{"duplicates": 0.01}``).
     ``profile``: ``json`` or ``sparkplug`` (edge nodes, ``ingest.sparkplug_sim``); default:
-    Sparkplug when the telemetry model takes it, else JSON."""
+    Sparkplug when the telemetry model takes it, else JSON. On stop it waits up to
+    ``drain_seconds`` for acknowledgements, then returns the count sent (a warning names the
+    unacknowledged ones)."""
     faults = dict(faults or {})
     unknown = set(faults) - {"duplicates", "malformed", "late", "seed"}
     if unknown:
@@ -425,8 +441,7 @@ def run_forever(settings: Settings, rate: float, devices: int, stop: threading.E
                 continue
             if sparkplug is not None:
                 m = next(sparkplug)
-                pub.send(m.topic, m.payload)
-                sent += 1
+                sent += pub.send(m.topic, m.payload, stop)
                 continue
             x = rng.random()
             kind = ("duplicate" if x < p_dup else "malformed" if x < p_dup + p_bad
@@ -438,9 +453,11 @@ def run_forever(settings: Settings, rate: float, devices: int, stop: threading.E
                 recent.append(m)
                 if len(recent) > 1000:
                     del recent[:500]
-            pub.send(m.topic, m.payload)
-            sent += 1
-        pub.drain(sent, timeout=30)
+            sent += pub.send(m.topic, m.payload, stop)
+        try:
+            pub.drain(sent, timeout=drain_seconds)
+        except TimeoutError as e:
+            log.warning("stopping with publishes unacknowledged: %s", e)
     finally:
         pub.close()
     log.info("simulator published %d messages", sent)

@@ -107,3 +107,37 @@ def test_publish_reaches_broker(settings):
         sub.disconnect()
         sub.loop_stop()
     assert Counter(got) == Counter(m.payload for m in msgs)
+
+
+def test_a_stalled_broker_does_not_keep_a_stopped_simulator_running(settings) -> None:
+    """Mosquitto frozen (SIGSTOP) acknowledges nothing: the in-flight window fills and the
+    publisher waits for a slot; a stop must still end the run, with what was sent counted."""
+    import os
+    import signal
+    import time
+
+    from ingest.simulator import run_forever
+    from lakehouse.settings import load_settings
+    from orchestration.services import free_port, mosquitto_service
+
+    port = free_port()
+    s = load_settings(environ={}, data_root=settings.data_root,
+                      mqtt={"host": "127.0.0.1", "port": port, "topic_filter": "stall/devices/+/telemetry"})
+    broker = mosquitto_service(s, port).start()
+    stop, result = threading.Event(), []
+    try:
+        runner = threading.Thread(target=lambda: result.append(
+            run_forever(s, 5000, 10, stop, drain_seconds=1.0)), daemon=True)
+        runner.start()
+        time.sleep(0.5)
+        os.kill(broker.proc.pid, signal.SIGSTOP)
+        time.sleep(2.0)  # > the 1,000 slots at 5,000 msg/s: the publisher now waits for acks
+        stop.set()
+        t0 = time.monotonic()
+        runner.join(10)
+        assert not runner.is_alive(), "the simulator did not stop while the broker was stalled"
+        assert time.monotonic() - t0 < 5
+        assert result and result[0] >= 1000  # the in-flight window was filled
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+        broker.stop()
