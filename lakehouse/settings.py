@@ -237,6 +237,11 @@ class StreamSettings(_Section):
     # "state_store" (Spark's dropDuplicatesWithinWatermark on RocksDB, for the bench: late rows
     # vanish inside its operator, so a batch holding any fails the stream).
     dedup: Literal["index", "state_store"] = "index"
+    # "layered": bronze from Kafka, then silver from bronze's Delta table (two queries, each
+    # table its own checkpoint: scale-out roles, a bronze kept apart). "fused": one query writes
+    # bronze and silver from each Kafka micro-batch (less work per event, one batch to wait
+    # for; silver.from_kafka). A lake keeps the topology it started with.
+    topology: Literal["layered", "fused"] = "layered"
     window_seconds: int = Field(60, ge=1)
 
     @field_validator("window_seconds")

@@ -21,11 +21,23 @@ from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: layer -> (query name, upstream table or "kafka")
+#: step (a layer, or bronze and silver as one query) -> (query name, upstream table or "kafka")
 _UPSTREAM = {"bronze": ("bronze", "kafka"), "silver": ("silver", "bronze"),
-             "gold": ("gold_metrics_1m", "silver")}
-#: layer -> the checkpoints its queries use
-_CHECKPOINTS = {"bronze": ("bronze",), "silver": ("silver",), "gold": ("gold_metrics_1m", "gold_health")}
+             "gold": ("gold_metrics_1m", "silver"), "bronze_silver": ("bronze_silver", "kafka")}
+#: step -> the checkpoints its queries use
+_CHECKPOINTS = {"bronze": ("bronze",), "silver": ("silver",), "gold": ("gold_metrics_1m", "gold_health"),
+                "bronze_silver": ("bronze_silver",)}
+
+
+def _steps(settings: Settings, layers: list[str], all_layers: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """(step, layers its queries write), upstream first. With ``stream.topology = "fused"`` one
+    query writes bronze and silver: asked for either (an Airflow task per layer), it runs once
+    and the other layer's task then finds nothing to do."""
+    ordered = [x for x in all_layers if x in layers]
+    if settings.stream.topology != "fused" or not {"bronze", "silver"} & set(ordered):
+        return [(x, (x,)) for x in ordered]
+    fused = tuple(x for x in ("bronze", "silver") if x in ordered)
+    return [("bronze_silver", fused), *[(x, (x,)) for x in ordered if x not in fused]]
 
 
 def _committed_offset(checkpoint: str) -> dict | None:
@@ -141,7 +153,7 @@ def caught_up(settings: Settings, layer: str, bronze_version: int | None = None)
 
     Compares versions, not rows, so a commit without rows (compaction) still counts as work.
     """
-    if layer == "bronze":  # Kafka: only the stream knows
+    if _UPSTREAM[layer][1] == "kafka":  # only the stream knows
         return False
     target = latest_version(settings.table_path(_UPSTREAM[layer][1]))
     if layer == "silver" and bronze_version is not None:
@@ -167,36 +179,39 @@ def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
         settings.stream.max_offsets_per_trigger = max_rows  # Kafka; Delta sources bound files
     done: dict[str, int] = {}
     try:
+        steps = _steps(settings, layers, LAYERS)
         # refuse before starting Spark (seconds) if a live stream holds any checkpoint needed
-        for layer in layers:
-            for query in _CHECKPOINTS[layer]:
+        for step, _ in steps:
+            for query in _CHECKPOINTS[step]:
                 lock_checkpoint(settings.checkpoint_path(query))
         storage.check(settings)  # what spark_session does first; the checks below read tables
         storage.configure(settings)
         spark = None
-        for layer in [x for x in LAYERS if x in layers]:
-            if caught_up(settings, layer):  # e.g. an Airflow rerun: no JVM for nothing
-                log.info("backfill %s: nothing to do", layer)
-                done[layer] = 0
+        for step, written in steps:
+            if caught_up(settings, step):  # e.g. an Airflow rerun: no JVM for nothing
+                log.info("backfill %s: nothing to do", step)
+                done.update(dict.fromkeys(written, 0))
                 continue
             spark = spark or spark_session(settings, app_name="iotlake-backfill")
-            todo = rows_to_do(settings, layer)
-            log.info("backfill %s: %d rows to do", layer, todo)
-            queries = start_layers(spark, settings, (layer,), trigger="available_now")
-            main = queries[_UPSTREAM[layer][0] if layer != "gold" else "gold"]
+            todo = rows_to_do(settings, step)
+            log.info("backfill %s: %d rows to do", step, todo)
+            started = ("bronze", "silver") if step == "bronze_silver" else written
+            queries = start_layers(spark, settings, started, trigger="available_now")
+            main = queries[_UPSTREAM[step][0] if step != "gold" else "gold"]
             last_log = 0.0
             while any(q.isActive for q in queries.values()):
                 time.sleep(0.5)
                 if time.monotonic() - last_log >= progress_every:
                     rows = sum(p["numInputRows"] for p in main.recentProgress)
-                    log.info("backfill %s: %d / %d rows (%.0f%%)", layer, rows, todo,
+                    log.info("backfill %s: %d / %d rows (%.0f%%)", step, rows, todo,
                              100.0 * rows / todo if todo else 100.0)
                     last_log = time.monotonic()
             for name, q in queries.items():
                 if q.exception():
-                    raise RuntimeError(f"backfill {layer}: {name} failed: {q.exception()}")
-            done[layer] = sum(p["numInputRows"] for p in main.recentProgress)
-            log.info("backfill %s: done, %d / %d rows", layer, done[layer], todo)
+                    raise RuntimeError(f"backfill {step}: {name} failed: {q.exception()}")
+            rows = sum(p["numInputRows"] for p in main.recentProgress)
+            done.update(dict.fromkeys(written, rows))
+            log.info("backfill %s: done, %d / %d rows", step, rows, todo)
     finally:
         release_checkpoints()
     return done

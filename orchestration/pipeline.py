@@ -41,10 +41,23 @@ def _starters() -> dict[str, list[tuple[str, Callable[..., StreamingQuery]]]]:
 
 def start_layers(spark: SparkSession, settings: Settings, layers: tuple[str, ...] = LAYERS,
                  trigger: str = "live") -> dict[str, StreamingQuery]:
+    """Start the layers' queries; with ``stream.topology = "fused"`` bronze and silver are one
+    query (``bronze_silver``), so they start together or not at all."""
+    from silver import from_kafka
+
     starters = _starters()
     unknown = [name for name in layers if name not in starters]
     if unknown:
         raise ValueError(f"unknown layer(s) {unknown}: choose from {', '.join(LAYERS)}")
+    fused = settings.stream.topology == "fused"
+    if fused and ("bronze" in layers) != ("silver" in layers):
+        raise ValueError('stream.topology = "fused" runs bronze and silver as one query: start '
+                         'both layers (the streams role), or set stream.topology = "layered"')
+    if fused and "bronze" in layers:
+        from_kafka.check_topology(settings, from_kafka.QUERY)
+        starters["bronze"], starters["silver"] = [(from_kafka.QUERY, from_kafka.start)], []
+    elif "bronze" in layers or "silver" in layers:
+        from_kafka.check_topology(settings, "layered")
     return {name: fn(spark, settings, trigger=trigger)
             for layer in layers for name, fn in starters[layer]}
 
@@ -102,6 +115,9 @@ class Running:
             if bronze_rows() >= expected_bronze:
                 silver_ok = "silver" not in self.queries or delta_caught_up(
                     self.queries["silver"], s.table_path("bronze"))
+                fused = self.queries.get("bronze_silver")  # silver commits after bronze
+                silver_ok = silver_ok and (fused is None or not (
+                    fused.status["isDataAvailable"] or fused.status["isTriggerActive"]))
                 gold_ok = all(delta_caught_up(self.queries[g], s.table_path("silver"))
                               for g in ("gold", "gold_health") if g in self.queries)
                 if silver_ok and gold_ok:

@@ -88,7 +88,7 @@ def reprocess(settings: Settings, version: int | None = None, timestamp: str | N
     gen = report["new_generation"]
     target = settings.pinned(gen)
     # refuse while live streams of the current generation run (they would keep writing there)
-    for q in DERIVED_QUERIES:
+    for q in (*DERIVED_QUERIES, "bronze_silver"):  # the fused topology's query writes silver
         lock_checkpoint(settings.checkpoint_path(q))
     try:
         _build(target, v)

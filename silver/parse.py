@@ -99,8 +99,9 @@ def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column
     return parts.pop("device_id", None), parts
 
 
-def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT) -> DataFrame:
-    """Bronze rows -> typed columns + ``parse_reasons`` (comma-joined, "" when parseable).
+def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, ...] = ()) -> DataFrame:
+    """Bronze rows -> typed columns + ``parse_reasons`` (comma-joined, "" when parseable);
+    ``keep``: input columns passed through as they are.
 
     No higher-order functions with a lambda except for ``extra`` (only when a payload has more
     fields than the model reads): Spark interprets those row by row.
@@ -183,4 +184,5 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT) -> DataFrame:
         F.coalesce(version, F.lit(SCHEMA_VERSION)).alias("schema_version"),
         F.when(F.size(extra) > 0, F.to_json(extra)).alias("extra"),
         F.concat_ws(",", *reasons).alias("parse_reasons"),
+        *keep,
     )

@@ -56,17 +56,19 @@ _DEDUP_OP = "StreamingDeduplicateWithinWatermark"
 
 
 def validated(bronze: DataFrame, suite: Suite | None = None,
-              model: TelemetryModel | None = None) -> DataFrame:
+              model: TelemetryModel | None = None, keep: tuple[str, ...] = ()) -> DataFrame:
     """Parsed rows with ``reasons`` (comma-joined parse problems, then failed suite
     expectations; "" when valid; a payload that is not JSON gets only ``not_json``) and the
-    dedup key and event time."""
+    dedup key and event time; ``keep``: bronze columns passed through (not with Sparkplug)."""
     model = model or TelemetryModel()
     if model.sparkplug:  # Sparkplug B topics take their own (stateful) decoder
+        if keep:
+            raise ValueError("Sparkplug rows cannot carry bronze columns through their decoder")
         sp = F.coalesce(is_sparkplug(mqtt_topic()), F.lit(False))
         parsed = parse(bronze.where(~sp), model)
         parsed = parsed.unionByName(sparkplug_rows(bronze, model, parsed.schema))
     else:
-        parsed = parse(bronze, model)
+        parsed = parse(bronze, model, keep)
     missing = [c for c in (suite.columns if suite is not None else []) if c not in parsed.columns]
     if missing:  # e.g. a metric removed from the model: its column stays, null from now on
         log.warning("the suite %s checks columns the telemetry model does not parse: %s (null in "
@@ -351,17 +353,22 @@ def pin_dedup_mode(checkpoint: str, mode: str) -> None:
         pin_dedup_mode(checkpoint, mode)
 
 
+def ensure_tables(spark: SparkSession, settings: Settings) -> None:
+    """Silver, quarantine and the quality log exist, silver with a column per model metric."""
+    schema = silver_schema(settings.telemetry)
+    for name, table_schema in ((TABLE, schema), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
+        delta_tables.ensure_named_table(spark, settings, name, table_schema)
+    # a metric or topic part added to the model: its column, before any reader starts
+    delta_tables.add_missing_columns(spark, settings.table_path(TABLE), schema)
+
+
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           suite_path: Path | None = None, validate: bool = True,
           bronze_path: str | None = None, bronze_ending_version: int | None = None) -> StreamingQuery:
     """Start the silver stream; ``validate=False`` skips the suite (parse and dedup only)."""
     suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
     ckpt = settings.checkpoint_path(TABLE)
-    schema = silver_schema(settings.telemetry)
-    for name, table_schema in ((TABLE, schema), (QUARANTINE_TABLE, QUARANTINE), (QUALITY_TABLE, QUALITY_LOG)):
-        delta_tables.ensure_named_table(spark, settings, name, table_schema)
-    # a metric or topic part added to the model: its column, before any reader starts
-    delta_tables.add_missing_columns(spark, settings.table_path(TABLE), schema)
+    ensure_tables(spark, settings)
     app_id = query_id(ckpt)
     pin_dedup_mode(ckpt, settings.stream.dedup)
     writer = SilverBatchWriter(spark, settings, ckpt, app_id, suite)

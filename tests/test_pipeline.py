@@ -61,8 +61,11 @@ def assert_gold_matches(settings: Settings, messages) -> None:
     assert (std["std"] - std["stddev"]).abs().max() < 1e-9
 
 
-def test_end_to_end_exact_counts_and_gold(settings: Settings, spark) -> None:
-    """2,000 events with 50 duplicates and 20 malformed: every layer's count to the row."""
+@pytest.mark.parametrize("topology", ["layered", "fused"])
+def test_end_to_end_exact_counts_and_gold(settings: Settings, spark, topology: str) -> None:
+    """2,000 events with 50 duplicates and 20 malformed: every layer's count to the row, with
+    bronze and silver as two queries or as one."""
+    settings.stream.topology = topology
     start = datetime.now(UTC).replace(microsecond=0)
     result = demo(settings, events=2000, devices=20, duplicates=50, malformed=20, timeout=300,
                   start=start)
