@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Streaming queries (checkpoint names) each role runs.
 ROLE_QUERIES = {"bridge": (), "bronze": ("bronze",), "silver": ("silver",),
                 "gold": ("gold_metrics_1m", "gold_health"),
-                "streams": ("bronze", "silver", "gold_metrics_1m", "gold_health")}
+                "streams": ("bronze_silver", "gold_metrics_1m", "gold_health")}
 WHOLE_RUN = "whole run"
 
 
@@ -353,8 +353,13 @@ def caught_up(settings: Settings, published: int) -> dict[str, bool]:
             state["bronze"] = bronze_rows >= sum(kafka_end_offsets(settings).values())
         except Exception:  # noqa: BLE001 - broker busy: not caught up yet
             state["bronze"] = False
-    for query, upstream in (("silver", "bronze"), ("gold_metrics_1m", "silver"),
-                            ("gold_health", "silver")):
+    if settings.fused:  # silver commits in bronze's batch
+        pos = checkpoint_position(settings.checkpoint_path("bronze_silver"))
+        state["silver"] = state["bronze"] and pos is not None and pos[2]
+    readers = (("gold_metrics_1m", "silver"), ("gold_health", "silver"))
+    if not settings.fused:
+        readers = (("silver", "bronze"), *readers)
+    for query, upstream in readers:
         pos = checkpoint_position(settings.checkpoint_path(query))
         v = latest_version(settings.table_path(upstream))
         state[query] = pos is not None and pos[2] and _read_through(pos[1], v)
@@ -577,7 +582,9 @@ def chaos_settings(cfg: ChaosConfig, kafka_port: int, mqtt_port: int) -> Setting
         mqtt={"host": "127.0.0.1", "port": mqtt_port, "embedded_port": mqtt_port,
               "client_id": "chaos-bridge", "topic_filter": "devices/+/telemetry"},
         bridge={"log_interval_seconds": 5.0},
-        stream={"trigger_seconds": cfg.trigger_seconds},
+        # bronze and silver in role processes of their own need the layered topology
+        stream={"trigger_seconds": cfg.trigger_seconds,
+                "topology": "layered" if {"bronze", "silver"} & set(cfg.roles) else "auto"},
         spark={"master": cfg.spark_master, "driver_memory": cfg.driver_memory, "shuffle_partitions": 2},
         observability={"metrics_port": 0},
     )

@@ -78,6 +78,7 @@ def child(cfg: str, topics: list[str]) -> None:
         s = base.model_copy(deep=True)
         s.data_root = str(Path(base.data_root) / topic)
         s.kafka.topic = topic
+        s.stream.topology = "layered"  # bronze and silver timed apart
         cpu = SparkCpuSampler(jvm).start() if jvm_is_local(base) else None
         t0 = time.perf_counter()
         done_b = backfill(s, ["bronze"])["bronze"]

@@ -237,11 +237,12 @@ class StreamSettings(_Section):
     # "state_store" (Spark's dropDuplicatesWithinWatermark on RocksDB, for the bench: late rows
     # vanish inside its operator, so a batch holding any fails the stream).
     dedup: Literal["index", "state_store"] = "index"
-    # "layered": bronze from Kafka, then silver from bronze's Delta table (two queries, each
-    # table its own checkpoint: scale-out roles, a bronze kept apart). "fused": one query writes
-    # bronze and silver from each Kafka micro-batch (less work per event, one batch to wait
-    # for; silver.from_kafka). A lake keeps the topology it started with.
-    topology: Literal["layered", "fused"] = "layered"
+    # "fused": one query writes bronze and silver from each Kafka micro-batch (less work per
+    # event, one batch to wait for; silver.from_kafka). "layered": bronze from Kafka, then silver
+    # from bronze's Delta table, two queries (the bronze and silver roles of a scale-out, a
+    # bronze written by something else). "auto": fused, but layered for Sparkplug B models and
+    # the state-store dedup, which fused does not do. A lake keeps the topology it started with.
+    topology: Literal["auto", "fused", "layered"] = "auto"
     window_seconds: int = Field(60, ge=1)
 
     @field_validator("window_seconds")
@@ -440,6 +441,20 @@ class Settings(_Section):
             raise ValueError('telemetry.sparkplug needs stream.dedup = "index" (Sparkplug with '
                              'Spark\'s state-store dedup is not supported yet)')
         return self
+
+    @model_validator(mode="after")
+    def _fused_topology(self) -> Settings:
+        if self.stream.topology == "fused" and (self.telemetry.sparkplug or self.stream.dedup != "index"):
+            raise ValueError('stream.topology = "fused" needs JSON payloads deduplicated by the '
+                             'index (stream.dedup = "index", no telemetry.sparkplug): set '
+                             'stream.topology = "auto" or "layered"')
+        return self
+
+    @property
+    def fused(self) -> bool:
+        """Bronze and silver are one query (``stream.topology``)."""
+        return self.stream.topology == "fused" or (
+            self.stream.topology == "auto" and not self.telemetry.sparkplug and self.stream.dedup == "index")
 
     @model_validator(mode="after")
     def _checkpoints_on_a_filesystem(self) -> Settings:

@@ -34,7 +34,7 @@ def _steps(settings: Settings, layers: list[str], all_layers: tuple[str, ...]) -
     query writes bronze and silver: asked for either (an Airflow task per layer), it runs once
     and the other layer's task then finds nothing to do."""
     ordered = [x for x in all_layers if x in layers]
-    if settings.stream.topology != "fused" or not {"bronze", "silver"} & set(ordered):
+    if not settings.fused or not {"bronze", "silver"} & set(ordered):
         return [(x, (x,)) for x in ordered]
     fused = tuple(x for x in ("bronze", "silver") if x in ordered)
     return [("bronze_silver", fused), *[(x, (x,)) for x in ordered if x not in fused]]

@@ -49,10 +49,11 @@ def start_layers(spark: SparkSession, settings: Settings, layers: tuple[str, ...
     unknown = [name for name in layers if name not in starters]
     if unknown:
         raise ValueError(f"unknown layer(s) {unknown}: choose from {', '.join(LAYERS)}")
-    fused = settings.stream.topology == "fused"
+    fused = settings.fused
     if fused and ("bronze" in layers) != ("silver" in layers):
-        raise ValueError('stream.topology = "fused" runs bronze and silver as one query: start '
-                         'both layers (the streams role), or set stream.topology = "layered"')
+        raise ValueError(f'stream.topology = "{settings.stream.topology}" runs bronze and silver '
+                         'as one query: start both layers (the streams role), or set '
+                         'stream.topology = "layered"')
     if fused and "bronze" in layers:
         from_kafka.check_topology(settings, from_kafka.QUERY)
         starters["bronze"], starters["silver"] = [(from_kafka.QUERY, from_kafka.start)], []

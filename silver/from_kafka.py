@@ -73,12 +73,9 @@ _SHARED = ("value", "ingest_time")
 def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           suite_path: Path | None = None, validate: bool = True,
           max_offsets: int | None = None) -> StreamingQuery:
-    if settings.stream.dedup != "index":
-        raise ValueError('stream.topology = "fused" deduplicates with the index: set stream.dedup '
-                         '= "index", or stream.topology = "layered"')
-    if settings.telemetry.sparkplug:
-        raise ValueError('stream.topology = "fused" does not decode Sparkplug B: set '
-                         'stream.topology = "layered" for a Sparkplug telemetry model')
+    if not settings.fused:
+        raise ValueError('the fused query needs JSON payloads deduplicated by the index '
+                         '(stream.dedup = "index", no telemetry.sparkplug)')
     check_topology(settings, QUERY)
     suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
     bronze_path, ckpt = settings.table_path(BRONZE_TABLE), settings.checkpoint_path(QUERY)

@@ -23,6 +23,14 @@ from tests.lakehouse_fixture import write_bronze
 START = datetime(2026, 3, 1, tzinfo=UTC)
 
 
+@pytest.fixture(autouse=True)
+def _layered(request: pytest.FixtureRequest) -> None:
+    """These tests are the layered queries' (silver from bronze's Delta table, bronze written
+    here); the fused topology's backfill is test_topology's."""
+    if "settings" in request.fixturenames:
+        request.getfixturevalue("settings").stream.topology = "layered"
+
+
 def produce(settings: Settings, messages) -> None:
     p = Producer(client_config(settings, **{"linger.ms": 5}))
     for m in messages:

@@ -130,8 +130,9 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     spark_conf = {"master": "local[2]", "shuffle_partitions": 2}
     lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), spark=spark_conf)
     config = tmp_path / "iotlake.toml"
+    # bronze written here, not from Kafka: silver reads it (the layered topology)
     config.write_text(f'data_root = "{lake.root}"\n[spark]\nmaster = "local[2]"\n'
-                      "shuffle_partitions = 2\n")
+                      'shuffle_partitions = 2\n[stream]\ntopology = "layered"\n')
     env = {**airflow_env, "IOTLAKE_CONFIG": str(config),
            "IOTLAKE_BIN": str(Path(sys.executable).with_name("iotlake"))}
     # Events from 2 s before today's midnight (UTC): yesterday's and today's rows for the

@@ -196,6 +196,7 @@ class _Layers:
     ``_ENV_FLAKE`` is restarted from its checkpoint (counted), any other death fails the test."""
 
     def __init__(self, spark, settings: Settings) -> None:
+        settings.stream.topology = "layered"  # a layer at a time
         self.spark, self.settings, self.restarts = spark, settings, 0
         self.queries: dict = {}
         for layer in LAYERS:

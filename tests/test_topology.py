@@ -35,13 +35,15 @@ def test_a_lake_keeps_the_topology_it_started_with(tmp_path: Path) -> None:
         start_layers(None, t, ("bronze",))
 
 
-def test_fused_bronze_and_silver_start_together_and_deduplicate_with_the_index(tmp_path: Path) -> None:
+def test_fused_bronze_and_silver_start_together_and_only_where_fused_applies(tmp_path: Path) -> None:
     s = load_settings(environ={}, data_root=str(tmp_path), stream={"topology": "fused"})
     with pytest.raises(ValueError, match="start both layers"):
         start_layers(None, s, ("silver", "gold"))
-    s.stream.dedup = "state_store"
-    with pytest.raises(ValueError, match='set stream.dedup = "index"'):
-        from_kafka.start(None, s)
+    with pytest.raises(ValueError, match='stream.topology = "fused" needs JSON payloads'):
+        load_settings(environ={}, data_root=str(tmp_path), stream={"topology": "fused", "dedup": "state_store"})
+    auto = load_settings(environ={}, data_root=str(tmp_path), stream={"dedup": "state_store"})
+    assert auto.stream.topology == "auto" and not auto.fused  # the state store: layered
+    assert load_settings(environ={}, data_root=str(tmp_path)).fused
 
 
 def test_fused_backfill_writes_both_layers_once_whichever_is_asked(settings: Settings, spark) -> None:
