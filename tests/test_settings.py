@@ -258,3 +258,10 @@ def test_routine_spark_warnings_are_quiet(spark) -> None:
     assert "org.apache.spark.rdd.MapPartitionsRDD" in QUIET_LOGGERS
     for name in QUIET_LOGGERS:
         assert log4j.LogManager.getLogger(name).getLevel().toString() == "ERROR", name
+
+
+@pytest.mark.parametrize("path", ["iotlake.toml.example", "examples/pump.toml", "infra/spark/iotlake.toml"])
+def test_every_shipped_configuration_loads(path: str) -> None:
+    """A setting renamed in code must be renamed in the files users copy."""
+    s = load_settings(Path(__file__).resolve().parents[1] / path, environ={})
+    assert s.fused == (path != "infra/spark/iotlake.toml")  # its roles split bronze and silver
