@@ -19,7 +19,7 @@ from lakehouse import delta_tables
 from lakehouse.delta_read import partition_minutes
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
-from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
 from lakehouse.tables import BRONZE, PARTITION_COLUMN, bucket_sql
 
 TABLE = "bronze"
@@ -102,7 +102,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     writer = (
         kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live").writeStream
         .queryName(TABLE)
-        .foreachBatch(lambda df, batch_id: delta_tables.append(df.coalesce(tasks), path, app_id, batch_id))
+        .foreachBatch(stoppable(lambda df, batch_id: delta_tables.append(df.coalesce(tasks), path, app_id, batch_id)))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )

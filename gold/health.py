@@ -52,7 +52,7 @@ from gold.anomaly import (
 )
 from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
-from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
 from lakehouse.tables import (
     ANOMALIES,
     DEVICE_STATUS_HISTORY,
@@ -541,7 +541,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
         health_frame(silver_stream(spark, settings, columns=health_input(settings.telemetry)),
                      settings).writeStream
         .queryName(QUERY).outputMode("append")
-        .foreachBatch(HealthBatch(settings, query_id(ckpt), current_columns))
+        .foreachBatch(stoppable(HealthBatch(settings, query_id(ckpt), current_columns)))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
     )

@@ -37,7 +37,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_tables import append, ensure_named_table, timestamp_literal, upsert_recent
 from lakehouse.settings import Settings
-from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, pool, query_id, stoppable, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
 
 TABLE = "gold_metrics_1m"
@@ -229,7 +229,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
                             metrics=metrics)
     writer = (
         agg.writeStream.queryName(TABLE).outputMode("update")
-        .foreachBatch(batch)
+        .foreachBatch(stoppable(batch))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="windows"))
     )

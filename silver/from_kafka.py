@@ -28,7 +28,7 @@ from lakehouse import delta_tables
 from lakehouse.delta_read import partition_minutes
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
-from lakehouse.streams import pool, query_id, trigger_kwargs
+from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
 from silver.expectations import load_suite
 from silver.stream import SilverBatchWriter, ensure_tables, pin_dedup_mode, validated
 
@@ -92,7 +92,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
               .withWatermark("dedup_time", f"{settings.stream.watermark_seconds} seconds"))
     batch = FusedBatch(settings, SilverBatchWriter(spark, settings, ckpt, app_id, suite), app_id,
                        bronze_columns, keep, spark.sparkContext.defaultParallelism)
-    writer = (framed.writeStream.queryName(QUERY).foreachBatch(batch)
+    writer = (framed.writeStream.queryName(QUERY).foreachBatch(stoppable(batch))
               .option("checkpointLocation", ckpt)
               .trigger(**trigger_kwargs(settings, trigger)))
     with pool(spark, "silver"):

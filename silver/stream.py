@@ -34,7 +34,7 @@ from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
-from lakehouse.streams import batch_watermark_ms, pool, query_id, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, pool, query_id, stoppable, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
@@ -375,7 +375,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     stream = (
         silver_frame(spark, settings, suite, bronze_path, bronze_ending_version).writeStream
         .queryName(TABLE)
-        .foreachBatch(writer)
+        .foreachBatch(stoppable(writer))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )
