@@ -58,7 +58,10 @@ def build(root: Path) -> Path:
                     start=datetime(2026, 11, 24, tzinfo=UTC))
     write_bronze(lake, msgs)
     config = root / "iotlake.toml"
-    config.write_text(f'data_root = "{root}"\n[spark]\nmaster = "local[2]"\nshuffle_partitions = 2\n')
+    # bronze written here, not from Kafka: silver reads it (the layered topology); [spark] last:
+    # the modes append their lines to it
+    config.write_text(f'data_root = "{root}"\n[stream]\ntopology = "layered"\n'
+                      '[spark]\nmaster = "local[2]"\nshuffle_partitions = 2\n')
     return config
 
 

@@ -62,7 +62,9 @@ def test_backfill_catches_up_exactly_and_rerun_changes_nothing(settings: Setting
     assert versions == {t: DeltaTable(settings.table_path(t)).version() for t in versions}
 
 
-def test_backfill_refuses_while_live_stream_holds_checkpoint(settings: Settings, spark) -> None:
+def test_backfill_refuses_while_live_stream_holds_checkpoint(settings: Settings, spark,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOTLAKE_STREAM__TOPOLOGY", "layered")  # for the CLI's own settings
     ckpt = settings.checkpoint_path("silver")
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -89,7 +91,8 @@ def test_backfill_cli_refuses_while_the_live_stream_runs(tmp_path: Path, spark) 
     from lakehouse.streams import release_checkpoints
     from orchestration.pipeline import delta_caught_up
 
-    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), stream={"trigger_seconds": 0.5})
+    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+                         stream={"trigger_seconds": 0.5, "topology": "layered"})
     write_bronze(lake, generate(lake, 200, devices=4, duplicates=5, start=START))
     live = silver.stream.start(spark, lake)  # trigger "live": runs until stopped
     try:
@@ -99,6 +102,7 @@ def test_backfill_cli_refuses_while_the_live_stream_runs(tmp_path: Path, spark) 
             time.sleep(0.5)
         before = DeltaTable(lake.table_path("silver")).version(), count(lake, "silver")
         env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+        env["IOTLAKE_STREAM__TOPOLOGY"] = "layered"  # silver reads the bronze written here
         proc = subprocess.run(
             [str(Path(sys.executable).with_name("iotlake")), "--data-root", lake.data_root,
              "backfill", "--layer", "silver"],

@@ -130,7 +130,7 @@ def test_s3_tables_backfill_restart_time_travel_and_bad_credentials(
     for out in (first, second):
         assert secret not in out.stdout + out.stderr and key_id not in out.stdout + out.stderr
     assert not (tmp_path / "state" / "tables").exists()  # tables went to S3, state stayed local
-    assert (tmp_path / "state" / "checkpoints" / "silver" / "commits").is_dir()
+    assert (tmp_path / "state" / "checkpoints" / "bronze_silver" / "commits").is_dir()
 
     # a command that starts no Spark reads S3 with the settings' credentials alone (no AWS_* env)
     env = {k: v for k, v in _child_env().items() if not k.startswith("AWS_")}

@@ -29,7 +29,7 @@ def test_a_lake_keeps_the_topology_it_started_with(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"built by the layered topology \(checkpoint bronze\).*"
                                          r"stream.topology = 'layered'"):
         from_kafka.check_topology(s, from_kafka.QUERY)
-    t = load_settings(environ={}, data_root=str(tmp_path / "other"))
+    t = load_settings(environ={}, data_root=str(tmp_path / "other"), stream={"topology": "layered"})
     Path(t.checkpoint_path(from_kafka.QUERY), "offsets").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"built by the fused topology.*stream.topology = 'fused'"):
         start_layers(None, t, ("bronze",))
