@@ -1,6 +1,6 @@
-"""Bronze and silver in one query (``stream.topology = "fused"``): each Kafka micro-batch is
-appended to bronze and, parsed, validated and deduplicated, to silver, quarantine and the
-quality log in the same ``foreachBatch``.
+"""Bronze and silver in one query (``stream.topology`` "fused", and "auto", the default, for
+JSON payloads): each Kafka micro-batch is appended to bronze and, parsed, validated and
+deduplicated, to silver, quarantine and the quality log in the same ``foreachBatch``.
 
 The layered topology runs two queries: bronze from Kafka, then silver from bronze through
 Delta's streaming source, which pays per batch for a snapshot of bronze, a read of the files

@@ -1,5 +1,7 @@
 """Silver: parsed, typed, deduplicated under an event-time watermark, validated.
 
+The layered topology's silver query (the default fused one, ``silver.from_kafka``, runs the
+same parse, validation and writer on each Kafka batch):
 bronze (Delta's streaming source) -> parse -> validate (suite compiled to one Spark expression)
 -> event-time watermark -> foreachBatch: drop late rows and duplicates (``silver.dedup``, the
 driver's index; or with ``stream.dedup = "state_store"`` Spark's dropDuplicatesWithinWatermark
