@@ -85,15 +85,20 @@ def kafka_stream(spark: SparkSession, settings: Settings, max_offsets: int | Non
     return df
 
 
-def start(spark: SparkSession, settings: Settings, trigger: str = "live",
-          max_offsets: int | None = None) -> StreamingQuery:
-    path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
+def ensure_table(spark: SparkSession, settings: Settings) -> None:
+    """The bronze table and the Kafka topics exist before a query subscribes."""
     # readers see an empty table before data; partitioned by the ingest time's bucket, computed
     # by the stream into a plain column (as bronze tables have always been created)
     delta_tables.ensure_named_table(spark, settings, TABLE, SCHEMA, generated=False)
     # Started on its own (a bronze role, a backfill), bronze may come up before the bridge has
     # created the topic; subscribing to a missing topic fails the query.
     ensure_topics(settings)
+
+
+def start(spark: SparkSession, settings: Settings, trigger: str = "live",
+          max_offsets: int | None = None) -> StreamingQuery:
+    path, ckpt = settings.table_path(TABLE), settings.checkpoint_path(TABLE)
+    ensure_table(spark, settings)
     app_id = query_id(ckpt)  # also locks the checkpoint: a second writer fails fast
     # A file per Kafka partition per batch made bronze the most crowded table at one-second
     # batches (docs/benchmarks.md, session 20's soak); one write task per core does the same

@@ -444,7 +444,7 @@ class Settings(_Section):
 
     @model_validator(mode="after")
     def _fused_topology(self) -> Settings:
-        if self.stream.topology == "fused" and (self.telemetry.sparkplug or self.stream.dedup != "index"):
+        if self.stream.topology == "fused" and not self._fusable:
             raise ValueError('stream.topology = "fused" needs JSON payloads deduplicated by the '
                              'index (stream.dedup = "index", no telemetry.sparkplug): set '
                              'stream.topology = "auto" or "layered"')
@@ -453,8 +453,12 @@ class Settings(_Section):
     @property
     def fused(self) -> bool:
         """Bronze and silver are one query (``stream.topology``)."""
-        return self.stream.topology == "fused" or (
-            self.stream.topology == "auto" and not self.telemetry.sparkplug and self.stream.dedup == "index")
+        return self.stream.topology == "fused" or (self.stream.topology == "auto" and self._fusable)
+
+    @property
+    def _fusable(self) -> bool:
+        """What the fused query does: JSON payloads deduplicated by the index."""
+        return not self.telemetry.sparkplug and self.stream.dedup == "index"
 
     @model_validator(mode="after")
     def _checkpoints_on_a_filesystem(self) -> Settings:

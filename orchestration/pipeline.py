@@ -114,11 +114,12 @@ class Running:
         while time.monotonic() < deadline:
             check_alive(self.queries)
             if bronze_rows() >= expected_bronze:
-                silver_ok = "silver" not in self.queries or delta_caught_up(
-                    self.queries["silver"], s.table_path("bronze"))
                 fused = self.queries.get("bronze_silver")  # silver commits after bronze
-                silver_ok = silver_ok and (fused is None or not (
-                    fused.status["isDataAvailable"] or fused.status["isTriggerActive"]))
+                if fused is not None:
+                    silver_ok = not (fused.status["isDataAvailable"] or fused.status["isTriggerActive"])
+                else:
+                    silver_ok = "silver" not in self.queries or delta_caught_up(
+                        self.queries["silver"], s.table_path("bronze"))
                 gold_ok = all(delta_caught_up(self.queries[g], s.table_path("silver"))
                               for g in ("gold", "gold_health") if g in self.queries)
                 if silver_ok and gold_ok:

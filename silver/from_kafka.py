@@ -21,16 +21,15 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from bronze.stream import SCHEMA as BRONZE_SCHEMA
 from bronze.stream import TABLE as BRONZE_TABLE
+from bronze.stream import ensure_table as ensure_bronze
 from bronze.stream import kafka_stream
 from lakehouse import delta_tables
 from lakehouse.delta_read import partition_minutes
-from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
 from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
 from silver.expectations import load_suite
-from silver.stream import SilverBatchWriter, ensure_tables, pin_dedup_mode, validated
+from silver.stream import SilverBatchWriter, ensure_tables, pin_dedup_mode, validated, watermarked
 
 QUERY = "bronze_silver"
 
@@ -79,17 +78,15 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     check_topology(settings, QUERY)
     suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
     bronze_path, ckpt = settings.table_path(BRONZE_TABLE), settings.checkpoint_path(QUERY)
-    delta_tables.ensure_named_table(spark, settings, BRONZE_TABLE, BRONZE_SCHEMA, generated=False)
+    ensure_bronze(spark, settings)
     ensure_tables(spark, settings)
-    ensure_topics(settings)
     app_id = query_id(ckpt)
     pin_dedup_mode(ckpt, settings.stream.dedup)
     kafka = kafka_stream(spark, settings, max_offsets, partition_minutes(bronze_path),
                          live=trigger == "live")
     bronze_columns = kafka.columns
     keep = tuple(c for c in bronze_columns if c not in _SHARED)
-    framed = (validated(kafka, suite, settings.telemetry, keep)
-              .withWatermark("dedup_time", f"{settings.stream.watermark_seconds} seconds"))
+    framed = watermarked(validated(kafka, suite, settings.telemetry, keep), settings)
     batch = FusedBatch(settings, SilverBatchWriter(spark, settings, ckpt, app_id, suite), app_id,
                        bronze_columns, keep, spark.sparkContext.defaultParallelism)
     writer = (framed.writeStream.queryName(QUERY).foreachBatch(stoppable(batch))

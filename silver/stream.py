@@ -130,13 +130,17 @@ def silver_frame(spark: SparkSession, settings: Settings, suite: Suite | None = 
     (else it keeps ``dedup_key`` / ``dedup_time`` for the writer's index, and every row's raw
     payload until the writer knows which rows are late)."""
     bronze = bronze_stream(spark, settings, bronze_path, bronze_ending_version)
-    wm = f"{settings.stream.watermark_seconds} seconds"
     framed = validated(bronze, suite, settings.telemetry)
     if settings.stream.dedup == "state_store":
-        return (framed.withColumn("value", F.when(F.col("reasons") != "", F.col("value")))
-                .withWatermark("dedup_time", wm)
+        return (watermarked(framed.withColumn("value", F.when(F.col("reasons") != "", F.col("value"))),
+                            settings)
                 .dropDuplicatesWithinWatermark(["dedup_key"]).drop("dedup_key", "dedup_time"))
-    return framed.withWatermark("dedup_time", wm)
+    return watermarked(framed, settings)
+
+
+def watermarked(framed: DataFrame, settings: Settings) -> DataFrame:
+    """``validated`` rows with the event-time watermark late rows and dedup expiry go by."""
+    return framed.withWatermark("dedup_time", f"{settings.stream.watermark_seconds} seconds")
 
 
 def late_watermark_ms(checkpoint: str, batch_id: int) -> int:
