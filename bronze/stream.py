@@ -19,7 +19,7 @@ from lakehouse import delta_tables
 from lakehouse.delta_read import partition_minutes
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
-from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
+from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import BRONZE, PARTITION_COLUMN, bucket_sql
 
 TABLE = "bronze"
@@ -104,10 +104,10 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     # batches (docs/benchmarks.md, session 20's soak); one write task per core does the same
     # work in fewer files. On a cluster, cores outnumber partitions: nothing changes there.
     tasks = spark.sparkContext.defaultParallelism
+    stream = kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live")
     writer = (
-        kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live").writeStream
-        .queryName(TABLE)
-        .foreachBatch(stoppable(lambda df, batch_id: delta_tables.append(df.coalesce(tasks), path, app_id, batch_id)))
+        foreach_batch(stream, TABLE,
+                      lambda df, batch_id: delta_tables.append(df.coalesce(tasks), path, app_id, batch_id))
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )

@@ -52,7 +52,7 @@ from gold.anomaly import (
 )
 from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
-from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
+from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import (
     ANOMALIES,
     DEVICE_STATUS_HISTORY,
@@ -537,11 +537,10 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
         add_missing_columns(spark, settings.table_path(name), schema)  # tables of older versions
     current_path = settings.table_path("device_current")
     current_columns = add_missing_columns(spark, current_path, current)  # a gold metric added
+    frame = health_frame(silver_stream(spark, settings, columns=health_input(settings.telemetry)), settings)
     writer = (
-        health_frame(silver_stream(spark, settings, columns=health_input(settings.telemetry)),
-                     settings).writeStream
-        .queryName(QUERY).outputMode("append")
-        .foreachBatch(stoppable(HealthBatch(settings, query_id(ckpt), current_columns)))
+        foreach_batch(frame, QUERY, HealthBatch(settings, query_id(ckpt), current_columns))
+        .outputMode("append")
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="gold"))
     )

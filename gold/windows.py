@@ -37,7 +37,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_tables import append, ensure_named_table, timestamp_literal, upsert_recent
 from lakehouse.settings import Settings
-from lakehouse.streams import batch_watermark_ms, pool, query_id, stoppable, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
 
 TABLE = "gold_metrics_1m"
@@ -228,8 +228,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
                             settings.stream.window_seconds, settings.stream.watermark_seconds,
                             metrics=metrics)
     writer = (
-        agg.writeStream.queryName(TABLE).outputMode("update")
-        .foreachBatch(stoppable(batch))
+        foreach_batch(agg, TABLE, batch).outputMode("update")
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="windows"))
     )

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from py4j.protocol import Py4JJavaError
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import DataStreamWriter
 
 from lakehouse.settings import Settings
 
@@ -119,8 +122,37 @@ _INTERRUPTIONS = frozenset({"java.lang.InterruptedException", "java.io.Interrupt
                             "java.nio.channels.ClosedByInterruptException"})
 
 
-def stoppable(batch_fn: Callable[[DataFrame, int], None]) -> Callable[[DataFrame, int], None]:
-    """A ``foreachBatch`` function whose interruption by a query stop reads as one to Spark.
+class QueryStopping(RuntimeError):
+    """A ``foreachBatch`` error whose text Spark takes for its query's stop (see ``stoppable``)."""
+
+
+def _stopped(what: str, name: str = "java.lang.InterruptedException") -> QueryStopping:
+    return QueryStopping(f"py4j.protocol.Py4JJavaError: An error occurred while calling {what} "
+                         f"(query stopping)\n: {name}")
+
+
+class _QuietStops(logging.Filter):
+    """py4j logs each error a Python ``foreachBatch`` raises, with its traceback, as an ERROR;
+    a stop is none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], QueryStopping))
+
+
+_quiet_stops = _QuietStops()
+
+
+def foreach_batch(stream: DataFrame, query: str,
+                  batch_fn: Callable[[DataFrame, int], None]) -> DataStreamWriter:
+    """``stream``'s writer as the query named ``query``, each micro-batch through ``batch_fn``
+    (``stoppable``: a graceful stop ends it between micro-batches)."""
+    return stream.writeStream.queryName(query).foreachBatch(stoppable(batch_fn, query))
+
+
+def stoppable(batch_fn: Callable[[DataFrame, int], None],
+              query: str) -> Callable[[DataFrame, int], None]:
+    """A ``foreachBatch`` function for the query named ``query`` that a graceful stop
+    (``between_batches``) holds at its start, and whose interruption reads as a stop to Spark.
 
     Spark recognises a stop that interrupted a Python ``foreachBatch`` by matching the Python
     error text with a regular expression (``StreamExecution.PROXY_ERROR``, ``(.|\\n)*``) whose
@@ -128,17 +160,76 @@ def stoppable(batch_fn: Callable[[DataFrame, int], None]) -> Callable[[DataFrame
     mid-commit it overflowed the thread's stack (seen with the fused query), and the query died
     with a ``StackOverflowError`` instead of stopping. A short error naming the same Java
     exception lets the match succeed; any other error is raised as it is."""
+    logging.getLogger("py4j.clientserver").addFilter(_quiet_stops)  # once: a set underneath
+
     def run(df: DataFrame, batch_id: int) -> None:
+        _hold_if_stopping(query)
         try:
             batch_fn(df, batch_id)
         except Py4JJavaError as e:
             name = _interruption(e.java_exception)
             if name is None:
                 raise
-            raise RuntimeError("py4j.protocol.Py4JJavaError: An error occurred while calling "
-                               f"the batch's write (query stopping)\n: {name}") from None
+            raise _stopped("the batch's write", name) from None
 
     return run
+
+
+# A graceful stop's gate: query names whose next micro-batch must not start, those of them whose
+# batch waits at its start now, and those whose stop has begun (their waiting batch gives way).
+_gate = threading.Condition()
+_closed: set[str] = set()
+_held_now: set[str] = set()
+_opened: set[str] = set()
+
+
+def _hold_if_stopping(query: str) -> None:
+    with _gate:
+        if query not in _closed:
+            return
+        _held_now.add(query)
+        _gate.notify_all()
+        _gate.wait_for(lambda: query in _opened or query not in _closed)
+        _held_now.discard(query)
+    # Nothing of this batch ran: Spark replays it at the next start, as after any stop.
+    raise _stopped("the batch (held for the stop)")
+
+
+class BatchGate:
+    """What ``between_batches`` yields: whether a query's batch waits at the gate, and letting it
+    go once the query's stop has begun."""
+
+    @staticmethod
+    def holding(query: str) -> bool:
+        with _gate:
+            return query in _held_now
+
+    @staticmethod
+    def open(query: str) -> None:
+        with _gate:
+            _opened.add(query)
+            _gate.notify_all()
+
+
+@contextmanager
+def between_batches(queries: Iterable[str]) -> Iterator[BatchGate]:
+    """Hold each named query's next micro-batch at its start (``stoppable``) until the block
+    opens it: a stop then finds the query between batches, with no Spark job to cancel.
+
+    The held batch must be let go only after its query's ``stop()`` began (Spark marks the query
+    terminated first): it then fails with an interruption, which Spark takes for the stop. Let go
+    earlier, the query would fail. Spark cancels a batch's jobs when it is stopped mid-batch:
+    correct (the batch is replayed at the next start), but pages of errors in the log."""
+    names = set(queries)
+    with _gate:
+        _closed.update(names)
+    try:
+        yield BatchGate()
+    finally:
+        with _gate:
+            _closed.difference_update(names)
+            _opened.difference_update(names)
+            _gate.notify_all()
 
 
 def _interruption(error) -> str | None:

@@ -18,7 +18,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse.delta_read import latest_version
 from lakehouse.settings import Settings
-from lakehouse.streams import release_checkpoints
+from lakehouse.streams import between_batches, release_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +128,55 @@ class Running:
         raise TimeoutError(f"pipeline did not catch up within {timeout:.0f}s")
 
     def stop(self, wait_batch: float = 0.0, hurry: threading.Event | None = None) -> None:
-        """Stop every query, downstream first. ``wait_batch``: seconds in all that the queries
-        may take to finish the micro-batches they are running (a stop mid-batch cancels its Spark
-        jobs: correct, the batch is replayed at restart, but it logs pages of errors); ``hurry``
-        set (a second Ctrl-C) ends that wait."""
+        """Stop every query between micro-batches: each finishes the batch it is running and
+        starts no other (``lakehouse.streams.between_batches``). ``wait_batch``: seconds the
+        running batches may take; a query still in its batch then is stopped mid-batch (its jobs
+        are cancelled; the batch is replayed at the next start). ``hurry`` set (a second Ctrl-C)
+        ends that wait."""
         deadline = time.monotonic() + wait_batch
-        for name in reversed(list(self.queries)):
-            q = self.queries[name]
-            try:
-                while (q.isActive and q.status["isTriggerActive"] and time.monotonic() < deadline
-                       and not (hurry and hurry.is_set())):
+        pending = {q.name: q for q in self.queries.values()}
+        stopping: list[tuple[str, StreamingQuery, threading.Thread]] = []
+        with between_batches(pending) as gate:
+            while pending:
+                late = time.monotonic() >= deadline or (hurry is not None and hurry.is_set())
+                for name, q in list(pending.items()):
+                    if gate.holding(name) or not _in_batch(q):
+                        pass
+                    elif late:
+                        log.warning("%s still in a micro-batch at the stop: stopping it mid-batch "
+                                    "(replayed at the next start)", name)
+                    else:
+                        continue
+                    t = threading.Thread(target=_stop_query, args=(name, q), name=f"stop-{name}")
+                    t.start()
+                    stopping.append((name, q, t))
+                    del pending[name]
+                time.sleep(0.02)
+            for name, q, t in stopping:
+                while t.is_alive() and _active(q):  # stop() marks the query terminated first
                     time.sleep(0.02)
-                q.stop()
-            except Exception as e:  # noqa: BLE001 - stopping must go on for the others
-                log.warning("stopping %s: %s", name, e)
+                gate.open(name)
+            for _, _, t in stopping:
+                t.join()
         release_checkpoints()
+
+
+def _active(q: StreamingQuery) -> bool:
+    try:
+        return q.isActive
+    except Exception:  # noqa: BLE001 - the JVM going away
+        return False
+
+
+def _in_batch(q: StreamingQuery) -> bool:
+    try:
+        return q.isActive and q.status["isTriggerActive"]
+    except Exception:  # noqa: BLE001 - the JVM going away: nothing to wait for
+        return False
+
+
+def _stop_query(name: str, q: StreamingQuery) -> None:
+    try:
+        q.stop()
+    except Exception as e:  # noqa: BLE001 - stopping must go on for the others
+        log.warning("stopping %s: %s", name, e)

@@ -27,7 +27,7 @@ from bronze.stream import kafka_stream
 from lakehouse import delta_tables
 from lakehouse.delta_read import partition_minutes
 from lakehouse.settings import Settings
-from lakehouse.streams import pool, query_id, stoppable, trigger_kwargs
+from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
 from silver.expectations import load_suite
 from silver.stream import SilverBatchWriter, ensure_tables, pin_dedup_mode, validated, watermarked
 
@@ -89,7 +89,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     framed = watermarked(validated(kafka, suite, settings.telemetry, keep), settings)
     batch = FusedBatch(settings, SilverBatchWriter(spark, settings, ckpt, app_id, suite), app_id,
                        bronze_columns, keep, spark.sparkContext.defaultParallelism)
-    writer = (framed.writeStream.queryName(QUERY).foreachBatch(stoppable(batch))
+    writer = (foreach_batch(framed, QUERY, batch)
               .option("checkpointLocation", ckpt)
               .trigger(**trigger_kwargs(settings, trigger)))
     with pool(spark, "silver"):

@@ -36,7 +36,7 @@ from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
-from lakehouse.streams import batch_watermark_ms, pool, query_id, stoppable, trigger_kwargs
+from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
@@ -379,9 +379,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     pin_dedup_mode(ckpt, settings.stream.dedup)
     writer = SilverBatchWriter(spark, settings, ckpt, app_id, suite)
     stream = (
-        silver_frame(spark, settings, suite, bronze_path, bronze_ending_version).writeStream
-        .queryName(TABLE)
-        .foreachBatch(stoppable(writer))
+        foreach_batch(silver_frame(spark, settings, suite, bronze_path, bronze_ending_version),
+                      TABLE, writer)
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger))
     )

@@ -60,33 +60,3 @@ def test_fused_backfill_writes_both_layers_once_whichever_is_asked(settings: Set
     assert backfill(settings, ["silver"]) == {"silver": 0}
     assert backfill(settings, ["bronze", "silver"]) == {"bronze": 0, "silver": 0}
     assert versions == {t: DeltaTable(settings.table_path(t)).version() for t in versions}
-
-
-def test_a_stop_that_interrupts_a_batch_reads_as_a_stop_to_spark(spark) -> None:
-    """Spark tells a stop from a failure by matching the foreachBatch error's text
-    (``StreamExecution.isInterruptionException``): ``lakehouse.streams.stoppable`` hands it a
-    short text naming the interruption, which it matches; other errors pass unchanged."""
-    from py4j.protocol import Py4JJavaError
-
-    from lakehouse.streams import stoppable
-
-    jvm = spark._jvm
-    jvm.java.lang.Thread.currentThread().interrupt()
-    with pytest.raises(Py4JJavaError) as interrupted:
-        jvm.java.lang.Thread.sleep(1000)  # the interrupt flag set: InterruptedException
-
-    def write(df, batch_id):
-        raise interrupted.value
-
-    with pytest.raises(RuntimeError) as seen:
-        stoppable(write)(None, 0)
-    proxy = jvm.py4j.Py4JException(f"An exception was raised by the Python Proxy. Return "
-                                   f"Message: Traceback (most recent call last):\n{seen.value}")
-    stream_execution = jvm.org.apache.spark.sql.execution.streaming.runtime.StreamExecution
-    assert stream_execution.isInterruptionException(proxy, spark.sparkContext._jsc.sc())
-
-    def fail(df, batch_id):
-        jvm.java.lang.Thread.sleep(-1)  # IllegalArgumentException: not a stop
-
-    with pytest.raises(Exception, match="timeout value is negative"):  # pyspark's own type
-        stoppable(fail)(None, 0)
