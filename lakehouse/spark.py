@@ -11,6 +11,7 @@ from pyspark.sql import SparkSession
 
 from lakehouse import jars, storage
 from lakehouse.deploy import is_local, ship_packages
+from lakehouse.jvm_names import remember_jvm_names
 from lakehouse.settings import Settings
 
 #: Spark's FAIR scheduler pools, one per layer (``spark.fair_pools``; ``lakehouse.streams.pool``).
@@ -31,6 +32,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
     # reads (lakehouse.delta_read). Spark itself reaches S3 through S3A (storage.spark_conf).
     storage.check(settings)
     storage.configure(settings)
+    remember_jvm_names()
     b = (
         SparkSession.builder.appName(app_name)
         .master(settings.spark.master)
