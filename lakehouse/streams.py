@@ -163,7 +163,7 @@ def stoppable(batch_fn: Callable[[DataFrame, int], None],
     logging.getLogger("py4j.clientserver").addFilter(_quiet_stops)  # once: a set underneath
 
     def run(df: DataFrame, batch_id: int) -> None:
-        _hold_if_stopping(query)
+        _gate.hold_if_closed(query)
         try:
             batch_fn(df, batch_id)
         except Py4JJavaError as e:
@@ -175,40 +175,49 @@ def stoppable(batch_fn: Callable[[DataFrame, int], None],
     return run
 
 
-# A graceful stop's gate: query names whose next micro-batch must not start, those of them whose
-# batch waits at its start now, and those whose stop has begun (their waiting batch gives way).
-_gate = threading.Condition()
-_closed: set[str] = set()
-_held_now: set[str] = set()
-_opened: set[str] = set()
-
-
-def _hold_if_stopping(query: str) -> None:
-    with _gate:
-        if query not in _closed:
-            return
-        _held_now.add(query)
-        _gate.notify_all()
-        _gate.wait_for(lambda: query in _opened or query not in _closed)
-        _held_now.discard(query)
-    # Nothing of this batch ran: Spark replays it at the next start, as after any stop.
-    raise _stopped("the batch (held for the stop)")
-
-
 class BatchGate:
-    """What ``between_batches`` yields: whether a query's batch waits at the gate, and letting it
-    go once the query's stop has begun."""
+    """A graceful stop's gate: the queries whose next micro-batch must not start, those of them
+    whose batch waits at its start now, and those whose stop has begun (their batch gives way)."""
 
-    @staticmethod
-    def holding(query: str) -> bool:
-        with _gate:
-            return query in _held_now
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._closed: set[str] = set()
+        self._held: set[str] = set()
+        self._opened: set[str] = set()
 
-    @staticmethod
-    def open(query: str) -> None:
-        with _gate:
-            _opened.add(query)
-            _gate.notify_all()
+    def hold_if_closed(self, query: str) -> None:
+        """At a batch's start: return at once, or wait until the query's stop began and raise
+        the interruption Spark takes for it. Nothing of the batch ran: Spark replays it at the
+        next start, as after any stop."""
+        with self._cond:
+            if query not in self._closed:
+                return
+            self._held.add(query)
+            self._cond.wait_for(lambda: query in self._opened or query not in self._closed)
+            self._held.discard(query)
+        raise _stopped("the batch (held for the stop)")
+
+    def holding(self, query: str) -> bool:
+        with self._cond:
+            return query in self._held
+
+    def open(self, query: str) -> None:
+        with self._cond:
+            self._opened.add(query)
+            self._cond.notify_all()
+
+    def close(self, queries: set[str]) -> None:
+        with self._cond:
+            self._closed.update(queries)
+
+    def clear(self, queries: set[str]) -> None:
+        with self._cond:
+            self._closed.difference_update(queries)
+            self._opened.difference_update(queries)
+            self._cond.notify_all()
+
+
+_gate = BatchGate()  # one per process: query names are unique among a session's active queries
 
 
 @contextmanager
@@ -221,15 +230,11 @@ def between_batches(queries: Iterable[str]) -> Iterator[BatchGate]:
     earlier, the query would fail. Spark cancels a batch's jobs when it is stopped mid-batch:
     correct (the batch is replayed at the next start), but pages of errors in the log."""
     names = set(queries)
-    with _gate:
-        _closed.update(names)
+    _gate.close(names)
     try:
-        yield BatchGate()
+        yield _gate
     finally:
-        with _gate:
-            _closed.difference_update(names)
-            _opened.difference_update(names)
-            _gate.notify_all()
+        _gate.clear(names)
 
 
 def _interruption(error) -> str | None:

@@ -140,13 +140,11 @@ class Running:
             while pending:
                 late = time.monotonic() >= deadline or (hurry is not None and hurry.is_set())
                 for name, q in list(pending.items()):
-                    if gate.holding(name) or not _in_batch(q):
-                        pass
-                    elif late:
+                    if not gate.holding(name) and _in_batch(q):
+                        if not late:
+                            continue
                         log.warning("%s still in a micro-batch at the stop: stopping it mid-batch "
                                     "(replayed at the next start)", name)
-                    else:
-                        continue
                     t = threading.Thread(target=_stop_query, args=(name, q), name=f"stop-{name}")
                     t.start()
                     stopping.append((name, q, t))

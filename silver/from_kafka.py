@@ -73,8 +73,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           suite_path: Path | None = None, validate: bool = True,
           max_offsets: int | None = None) -> StreamingQuery:
     if not settings.fused:
-        raise ValueError('the fused query needs JSON payloads deduplicated by the index '
-                         '(stream.dedup = "index", no telemetry.sparkplug)')
+        raise ValueError(f'stream.topology = "{settings.stream.topology}" does not run the fused '
+                         'query here (it needs JSON payloads deduplicated by the index)')
     check_topology(settings, QUERY)
     suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
     bronze_path, ckpt = settings.table_path(BRONZE_TABLE), settings.checkpoint_path(QUERY)
