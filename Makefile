@@ -68,6 +68,9 @@ $(STAMP): pyproject.toml infra/python/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q 'uv>=0.9,<1'
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c infra/python/constraints.txt -e '.[dev]' -C editable_mode=compat
+	@# pyspark ships as an sdist; where the index's answers come back stale, uv rebuilds it on
+	@# every install and keeps each build (~1.4 GB). Prune keeps only what is in use.
+	$(BIN)/uv cache prune -q
 	@touch $(STAMP)
 
 constraints: $(STAMP)   ## re-pin infra/python/constraints.txt to what .venv holds (after a passing make test)

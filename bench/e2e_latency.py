@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +175,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
     for name, parts in _batch_profile(settings, sample_from).items():
         print(f"# {name}: {json.dumps(parts)}")
     print(f"# cores used while sampling: {json.dumps(cores)}")
+    shutil.rmtree(root, ignore_errors=True)  # ~90 MB of tables and logs per run
     return result
 
 

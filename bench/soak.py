@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,7 +150,11 @@ def run(args: argparse.Namespace) -> dict:
             os.killpg(pipeline.pid, signal.SIGKILL)
     out = summary(args, samples, published, silver_seen, current_seen,
                   _achieved_rate(root / "simulate.log", sim_seconds) if sim_seconds else None, root)
-    return {**out, "error": error} if error else out
+    if error:
+        print(f"# data and logs kept in {root}", file=sys.stderr)
+        return {**out, "error": error}
+    shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 class Readers:

@@ -56,7 +56,7 @@ def parsed(spark, model: TelemetryModel, records, suite=None) -> list[dict]:
     return [r.asDict() for r in df.orderBy("kafka_offset").collect()]
 
 
-def test_a_pump_fleet_by_configuration_only(spark) -> None:
+def test_a_pump_fleet_by_configuration_only(spark, tmp_path: Path) -> None:
     model = TelemetryModel(**PUMP)
     payload = json.dumps({"ts": 1764000000, "meta": {"fw": "2.1"},
                           "readings": {"pressure_bar": 4.2, "flow_m3h": 12.5, "vibration_mm_s": 0.8,
@@ -67,7 +67,7 @@ def test_a_pump_fleet_by_configuration_only(spark) -> None:
         ("plant/south/pump-0001/telemetry", json.dumps({"ts": 1764000060123,  # ms: wrong unit
                                                         "readings": {"rpm": "fast"}}).encode()),
         ("elsewhere/x", payload),  # not the pattern's topic: no device
-    ], suite=load_suite(_suite_file(model)))
+    ], suite=load_suite(_suite_file(model, tmp_path)))
     first = rows[0]
     assert first["device_id"] == "pump-7f3a" and first["site"] == "north"
     assert first["event_time"] == datetime(2025, 11, 24, 16, 0)  # naive UTC (session time zone)
@@ -86,10 +86,8 @@ def test_a_pump_fleet_by_configuration_only(spark) -> None:
     assert model.gold_metrics == ("pressure", "flow", "vibration", "rpm")
 
 
-def _suite_file(model: TelemetryModel) -> Path:
-    import tempfile
-
-    f = Path(tempfile.mkdtemp()) / "suite.json"
+def _suite_file(model: TelemetryModel, tmp: Path) -> Path:
+    f = tmp / "suite.json"
     f.write_text(json.dumps(default_suite(model)))
     return f
 
