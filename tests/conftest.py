@@ -129,6 +129,19 @@ def _no_stream_left_running(request: pytest.FixtureRequest):
     assert not active, f"left running: {[q.name for q in active]}"
 
 
+#: free space the suite needs in the temp dir: its tables, checkpoints, broker logs and bench runs
+#: peak at ~0.5 GB; below this, tests fail by the hundred with ENOSPC instead of once, here
+MIN_FREE_GB = 2.0
+
+
+def pytest_sessionstart(session) -> None:
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    if free < MIN_FREE_GB:
+        pytest.exit(f"only {free:.1f} GB free in {tempfile.gettempdir()}; the suite needs "
+                    f"{MIN_FREE_GB:.0f} GB. Free some (e.g. `.venv/bin/uv cache prune`, old "
+                    f"/tmp/pytest-of-*), or point TMPDIR at a larger disk.", returncode=3)
+
+
 # Longest files first (worker-seconds on the 2-core machine, docs/benchmarks.md): with two xdist
 # workers taking whole files, a long file started last would leave one worker idle while the
 # other finishes it. `make test` passes --no-loadscope-reorder: xdist would otherwise order files
