@@ -280,6 +280,10 @@ class MaintenanceSettings(_Section):
     compact_min_files: int = Field(50, ge=2)
     small_file_bytes: int = Field(8 << 20, ge=1 << 16)
     vacuum_interval_hours: float = Field(24.0, gt=0)
+    #: the built-in upkeep warns at every pass while the disk under the local data root
+    #: (checkpoints, the embedded brokers' logs, local tables) has less free than this (0: never):
+    #: on a full disk the embedded Kafka stops and every commit fails
+    min_free_disk_gb: float = Field(2.0, ge=0)
     #: days of rows each table keeps (by its time column, lakehouse.tables.RETENTION_COLUMNS);
     #: a table not named keeps everything. Deleted by the built-in upkeep and `iotlake retain`.
     retention_days: dict[str, float] = Field(default_factory=lambda: {

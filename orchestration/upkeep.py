@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from prometheus_client import Gauge
 
 from lakehouse.delta_read import table_exists
 from lakehouse.settings import Settings
@@ -54,6 +57,9 @@ from orchestration.maintenance import (
 log = logging.getLogger(__name__)
 
 JOB_GROUP = "iotlake-upkeep"
+
+DISK_FREE = Gauge("iotlake_data_root_disk_free_bytes",
+                  "free bytes on the disk under the local data root, at the last upkeep pass")
 
 #: Expired rows may linger this share of their table's retention before a DELETE runs.
 RETENTION_SLACK = 0.1
@@ -89,6 +95,9 @@ class Upkeep:
             return start + timedelta(seconds=time.monotonic() - began)
 
         done: dict[str, Any] = {"retained": [], "compacted": []}
+        free_gb = self.watch_disk()
+        if free_gb is not None:
+            done["low_disk_free_gb"] = free_gb
         self._keep_up(done, clock)
         done["log_files_deleted"] = sum(clean_log(s).values())
         if not done["log_files_deleted"]:
@@ -106,6 +115,22 @@ class Upkeep:
             self.last_vacuum = self._save_last_vacuum(start)
         self.passes += 1
         return done
+
+    def watch_disk(self) -> float | None:
+        """Publish the local data root's free disk; the free GB when under
+        ``maintenance.min_free_disk_gb`` (and a warning that says what to do), else None."""
+        s = self.settings
+        free = shutil.disk_usage(s.root).free
+        DISK_FREE.set(free)
+        floor = s.maintenance.min_free_disk_gb
+        if free >= floor * 2**30:
+            return None
+        free_gb = round(free / 2**30, 2)
+        log.warning("only %.2f GB free on the disk under %s (maintenance.min_free_disk_gb = %g): "
+                    "when it is full the embedded Kafka stops and every commit fails. Shorten "
+                    "maintenance.retention_days or kafka.embedded_retention_bytes, or free space",
+                    free_gb, s.root, floor)
+        return free_gb
 
     def _keep_up(self, done: dict[str, Any], clock: Callable[[], datetime]) -> None:
         """Expired partitions before compaction (dropping them frees disk, and compacting them

@@ -240,6 +240,33 @@ def test_upkeep_expires_compacts_and_the_streams_skip_its_deletes(tmp_path: Path
     assert running.passes >= 1
 
 
+def test_upkeep_publishes_free_disk_and_warns_when_low(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Every pass publishes the data root's free disk; under ``min_free_disk_gb`` it warns with
+    what to do (a full disk stops the embedded Kafka and fails every commit)."""
+    import logging
+    import shutil
+
+    from orchestration.upkeep import DISK_FREE, Upkeep
+
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    s.root.mkdir(parents=True)
+    free_gb = shutil.disk_usage(s.root).free / 2**30
+    upkeep = Upkeep(s)
+    s.maintenance.min_free_disk_gb = 0.0
+    with caplog.at_level(logging.WARNING, logger="orchestration.upkeep"):
+        assert upkeep.watch_disk() is None
+        assert not caplog.records
+        assert abs(DISK_FREE._value.get() / 2**30 - free_gb) < 1.0  # the same disk, a moment apart
+        s.maintenance.min_free_disk_gb = free_gb + 1_000
+        low = upkeep.watch_disk()
+    assert low is not None and abs(low - free_gb) < 1.0
+    [record] = caplog.records
+    assert "min_free_disk_gb" in record.getMessage() and "retention_days" in record.getMessage()
+    with pytest.raises(SettingsError, match="min_free_disk_gb"):
+        load_settings(environ={}, maintenance={"min_free_disk_gb": -1})
+
+
 def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path, spark,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """Tables retention can expire are partitioned by a time bucket Delta generates from their
