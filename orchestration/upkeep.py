@@ -4,6 +4,8 @@ Streaming sinks add small files every micro-batch and nothing else ever deletes 
 plain ``iotlake run`` would slow every query as it goes and fill the disk. Every
 ``maintenance.check_seconds`` this thread:
 
+- publishes the free disk under the local data root and warns while it is under
+  ``maintenance.min_free_disk_gb`` (a full disk stops the embedded Kafka and fails every commit);
 - drops a table's partitions that passed its retention (Delta's file statistics say so without
   a scan; a table created unpartitioned loses rows once the oldest is ``RETENTION_SLACK`` of its
   retention past due);
