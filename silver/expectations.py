@@ -15,18 +15,19 @@ row and applied to the counts in the quality log.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import great_expectations as gx
 import pyarrow as pa
 import pyarrow.compute as pc
-from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -35,6 +36,8 @@ from pyspark.sql import types as T
 DEFAULT_SUITE_PATH = Path(__file__).resolve().parents[1] / "expectations" / "telemetry.json"
 #: Name of the column ``failed_expectations`` is usually stored in.
 FAILURES_COL = "failed_expectations"
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")  # no commas: names are joined into quarantine reasons
 
@@ -156,7 +159,7 @@ class Suite:
         return out
 
 
-def _check(path: str, i: int, exp: Any) -> Check:
+def _check(path: str, i: int, exp: Any, gx_check: bool = True) -> Check:
     where = f"{path}: expectation #{i}"
     if not isinstance(exp, dict):
         raise SuiteError(f"{where}: must be a JSON object, got {type(exp).__name__}")
@@ -164,10 +167,13 @@ def _check(path: str, i: int, exp: Any) -> Check:
     kwargs = exp.get("kwargs") or {}
     etype = exp.get("type", "?")
     where += f" ({meta.get('name') or etype})"
-    try:  # GX's own validation: unknown types, missing or mistyped kwargs
-        ExpectationConfiguration(**exp).to_domain_obj()
-    except Exception as e:  # GX raises pydantic, TypeError and its own errors
-        raise SuiteError(f"{where}: not a valid GX expectation: {e}") from None
+    if gx_check:  # GX's own validation: unknown types, missing or mistyped kwargs
+        from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
+
+        try:
+            ExpectationConfiguration(**exp).to_domain_obj()
+        except Exception as e:  # GX raises pydantic, TypeError and its own errors
+            raise SuiteError(f"{where}: not a valid GX expectation: {e}") from None
     if etype not in ROW_LEVEL and etype not in SET_LEVEL:
         raise SuiteError(f"{where}: {etype} is not supported by the Spark compiler; supported: "
                          f"{', '.join(sorted([*ROW_LEVEL, *SET_LEVEL]))}")
@@ -190,31 +196,65 @@ def _check(path: str, i: int, exp: Any) -> Check:
     return Check(name=name, type=etype, column=column, kwargs=kwargs)
 
 
-def load_suite(path: str | Path | None = None) -> Suite:
-    """Read and check a GX suite file; fail fast so a bad edit never reaches the stream."""
-    p = str(path or DEFAULT_SUITE_PATH)
-    try:
-        raw = json.loads(Path(p).read_text())
-    except OSError as e:
-        raise SuiteError(f"suite file {p}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise SuiteError(f"suite file {p}: invalid JSON: {e}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("expectations"), list):
-        raise SuiteError(f"suite file {p}: expected a GX suite object with an 'expectations' list")
-    checks = tuple(_check(p, i, e) for i, e in enumerate(raw["expectations"]))
+def _gx_marker(text: bytes) -> Path:
+    """Where GX's verdict on a suite's exact bytes is kept: importing GX costs each process
+    seconds of CPU, and its verdict on the same bytes under the same GX release cannot change.
+    Under ``$XDG_CACHE_HOME/iotlake`` (``~/.cache/iotlake``)."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(version("great_expectations").encode() + b"\0" + text).hexdigest()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "iotlake" / "gx-checked" / digest
+
+
+def _gx_suite_name(p: str, raw: dict, n_checks: int) -> str:
+    """GX's own check of the whole suite (after each expectation's); the name it keeps."""
+    import great_expectations as gx
+
     try:
         suite = gx.ExpectationSuite(**raw)
     except Exception as e:
         raise SuiteError(f"suite file {p}: not a valid GX ExpectationSuite: {e}") from None
-    if len(suite.expectations) != len(checks):  # GX drops invalid expectations with a log line
+    if len(suite.expectations) != n_checks:  # GX drops invalid expectations with a log line
         raise SuiteError(f"suite file {p}: GX rejected some expectations (see the log)")
+    return suite.name
+
+
+def load_suite(path: str | Path | None = None) -> Suite:
+    """Read and check a GX suite file; fail fast so a bad edit never reaches the stream. GX
+    checks each new content once; the same bytes later skip GX (``_gx_marker``)."""
+    p = str(path or DEFAULT_SUITE_PATH)
+    try:
+        text = Path(p).read_bytes()
+        raw = json.loads(text)
+    except OSError as e:
+        raise SuiteError(f"suite file {p}: cannot read: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SuiteError(f"suite file {p}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("expectations"), list):
+        raise SuiteError(f"suite file {p}: expected a GX suite object with an 'expectations' list")
+    marker = _gx_marker(text)
+    try:
+        name = marker.read_text()
+    except OSError:
+        name = ""
+    checks = tuple(_check(p, i, e, gx_check=not name) for i, e in enumerate(raw["expectations"]))
+    if not name:
+        name = _gx_suite_name(p, raw, len(checks))
     seen: set[str] = set()
     for c in checks:
         if c.name in seen:
             raise SuiteError(f"suite file {p}: two expectations are named {c.name!r}; "
                              "give each a unique meta.name")
         seen.add(c.name)
-    return Suite(name=suite.name, path=p, checks=checks, raw=raw)
+    try:  # only a suite that passed every check is remembered
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{os.getpid()}")
+        tmp.write_text(name)
+        tmp.replace(marker)
+    except OSError as e:  # a read-only home: GX checks again next time
+        log.debug("cannot keep GX's verdict on %s in %s: %s", p, marker.parent, e)
+    return Suite(name=name, path=p, checks=checks, raw=raw)
 
 
 def failed_expectations(suite: Suite) -> Column:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -231,3 +232,38 @@ def test_failures_column_is_plain_catalyst(df, suite):
     plan = df.select(failed_expectations(suite))._jdf.queryExecution().executedPlan().toString()
     assert "BatchEvalPython" not in plan and "ArrowEvalPython" not in plan
     assert df.select(F.size(failed_expectations(suite))).count() == len(CASES)
+
+
+def test_gx_checks_each_suite_content_once(tmp_path):
+    """GX's verdict on a suite's bytes is kept, so later processes skip importing GX (seconds of
+    CPU each); a changed byte is checked by GX again, and a rejected suite is never kept."""
+    import subprocess
+    import sys
+
+    good = tmp_path / "good.json"
+    good.write_bytes(SENSOR_SUITE.read_bytes())
+    raw = json.loads(good.read_text())
+    target = next(e for e in raw["expectations"] if e["meta"]["name"] == "temperature_in_range")
+    target["kwargs"]["min_value"] = "cold"  # GX rejects it (the compiler's own checks do not)
+    bad = _write(tmp_path, raw)
+    probe = ("import json, sys\nfrom silver.expectations import load_suite, SuiteError\n"
+             "try:\n    s = load_suite(sys.argv[1]); out = [s.name, len(s.checks)]\n"
+             "except SuiteError as e:\n    out = ['error', str(e)[:300]]\n"
+             "print(json.dumps(out + ['great_expectations' in sys.modules]))\n")
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def load(path: Path) -> list:
+        p = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True,
+                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    n = len(raw["expectations"])
+    assert load(good) == ["telemetry", n, True]  # first sight: GX checks it
+    assert load(good) == ["telemetry", n, False]  # the same bytes: no GX
+    for _ in range(2):  # rejected each time, by GX each time
+        name, message, gx_loaded = load(bad)
+        assert (name, gx_loaded) == ("error", True) and "not a valid GX expectation" in message
+    assert len(list((tmp_path / "cache" / "iotlake" / "gx-checked").iterdir())) == 1
