@@ -168,7 +168,9 @@ def _check(path: str, i: int, exp: Any, gx_check: bool = True) -> Check:
     etype = exp.get("type", "?")
     where += f" ({meta.get('name') or etype})"
     if gx_check:  # GX's own validation: unknown types, missing or mistyped kwargs
-        from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
+        from great_expectations.expectations.expectation_configuration import (
+            ExpectationConfiguration,
+        )
 
         try:
             ExpectationConfiguration(**exp).to_domain_obj()
@@ -196,15 +198,32 @@ def _check(path: str, i: int, exp: Any, gx_check: bool = True) -> Check:
     return Check(name=name, type=etype, column=column, kwargs=kwargs)
 
 
-def _gx_marker(text: bytes) -> Path:
+def _gx_marker(text: bytes) -> Path | None:
     """Where GX's verdict on a suite's exact bytes is kept: importing GX costs each process
     seconds of CPU, and its verdict on the same bytes under the same GX release cannot change.
-    Under ``$XDG_CACHE_HOME/iotlake`` (``~/.cache/iotlake``)."""
+    Under ``$XDG_CACHE_HOME/iotlake`` (``~/.cache/iotlake``); None without a home."""
     from importlib.metadata import version
 
     digest = hashlib.sha256(version("great_expectations").encode() + b"\0" + text).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no HOME and no passwd entry
+        return None
     return cache / "iotlake" / "gx-checked" / digest
+
+
+def _remember(marker: Path | None, name: str) -> None:
+    """Keep GX's verdict (atomically: processes start side by side); a read-only cache only
+    means GX checks again next time."""
+    if marker is None:
+        return
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{os.getpid()}")
+        tmp.write_text(name)
+        tmp.replace(marker)
+    except OSError as e:
+        log.debug("cannot keep GX's verdict in %s: %s", marker.parent, e)
 
 
 def _gx_suite_name(p: str, raw: dict, n_checks: int) -> str:
@@ -235,25 +254,19 @@ def load_suite(path: str | Path | None = None) -> Suite:
         raise SuiteError(f"suite file {p}: expected a GX suite object with an 'expectations' list")
     marker = _gx_marker(text)
     try:
-        name = marker.read_text()
+        known = marker.read_text() if marker else ""
     except OSError:
-        name = ""
-    checks = tuple(_check(p, i, e, gx_check=not name) for i, e in enumerate(raw["expectations"]))
-    if not name:
-        name = _gx_suite_name(p, raw, len(checks))
+        known = ""
+    checks = tuple(_check(p, i, e, gx_check=not known) for i, e in enumerate(raw["expectations"]))
+    name = known or _gx_suite_name(p, raw, len(checks))
     seen: set[str] = set()
     for c in checks:
         if c.name in seen:
             raise SuiteError(f"suite file {p}: two expectations are named {c.name!r}; "
                              "give each a unique meta.name")
         seen.add(c.name)
-    try:  # only a suite that passed every check is remembered
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_suffix(f".{os.getpid()}")
-        tmp.write_text(name)
-        tmp.replace(marker)
-    except OSError as e:  # a read-only home: GX checks again next time
-        log.debug("cannot keep GX's verdict on %s in %s: %s", p, marker.parent, e)
+    if not known:  # only a suite that passed every check is remembered
+        _remember(marker, name)
     return Suite(name=name, path=p, checks=checks, raw=raw)
 
 
