@@ -5,9 +5,9 @@ the JVM answers each package segment (``org``, ``org.apache``, ``io.delta`` ...)
 load a class of that name from every jar on the class path, also once per wildcard import of
 pyspark's gateway for a short name. pyspark, delta-spark's Python API and our Delta commits do
 that for every column, MERGE and commit (the profile of ``iotlake run`` that found it:
-docs/benchmarks.md, session 33). A package or class name resolves the same way for the life of the gateway (the jars
-and pyspark's imports are fixed at its start), so the first answer is kept on the object that
-asked: the next use is an attribute read, without a round trip.
+docs/benchmarks.md, session 33). A package or class name resolves the same way for the life of
+the gateway (the jars and pyspark's imports are fixed at its start), so the first answer is
+kept on the object that asked: the next use is an attribute read, without a round trip.
 """
 
 from __future__ import annotations
