@@ -432,6 +432,8 @@ def final_window_problems(settings: Settings) -> dict[str, dict[str, int]]:
     keys = ["device_id", "metric", "window_start"]
     out: dict[str, dict[str, int]] = {}
     for name, merged_name in FINAL_TABLES.items():
+        if merged_name == "gold_metrics_5m" and not settings.gold.slide_window_seconds:
+            continue  # sliding windows off
         final, merged = _table(settings, name), _table(settings, merged_name)
         if final is None or merged is None:
             out[name] = {"rows": 0, "table_missing": 1}
@@ -533,9 +535,11 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
     gold, gold5 = _table(settings, "gold_metrics_1m"), _table(settings, "gold_metrics_5m")
     g = settings.gold
     windows_bad = -1
-    if gold is not None and gold5 is not None and silver is not None:
-        windows_bad = (mismatched_windows(gold, silver, settings.stream.window_seconds)
-                       + mismatched_windows(gold5, silver, g.slide_window_seconds, g.slide_every_seconds))
+    sliding = bool(g.slide_window_seconds)  # off: no sliding tables to check
+    if gold is not None and (gold5 is not None or not sliding) and silver is not None:
+        windows_bad = mismatched_windows(gold, silver, settings.stream.window_seconds)
+        if sliding:
+            windows_bad += mismatched_windows(gold5, silver, g.slide_window_seconds, g.slide_every_seconds)
     finals = final_window_problems(settings)
     snapshot = snapshot_files(settings)
     files = missing_files(settings, snapshot)

@@ -3,7 +3,8 @@
 Silver readings are unpivoted to (device_id, metric, event_time, value) and aggregated per
 window: count, mean, min, max, stddev, last value. Update mode + an idempotent upsert keyed by
 (device_id, metric, window_start) keeps every window, open ones included, current in Delta
-(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it). The upsert
+(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it, unless
+``gold.slide_window_seconds`` is 0). The upsert
 (``delta_tables.upsert_recent``) MERGEs while the files of recent windows are small and
 otherwise replaces the recent rows in sorted, bounded files, so a batch rewrites about its own
 windows however long the day's partition has grown.
@@ -62,6 +63,12 @@ def readings_long(silver: DataFrame, metrics: tuple[str, ...] = METRICS) -> Data
         .select("device_id", "event_time", "p.metric", "p.value")
         .where(F.col("value").isNotNull())
     )
+
+
+def tables(settings: Settings) -> tuple[str, ...]:
+    """The tables the window stream writes: the sliding pair only while it is on."""
+    sliding = (SLIDING_TABLE, SLIDING_FINAL_TABLE) if settings.gold.slide_window_seconds else ()
+    return (TABLE, FINAL_TABLE, *sliding)
 
 
 def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds: int,
@@ -123,11 +130,12 @@ class MergeBatch:
     def __init__(self, settings: Settings, app_id: str, checkpoint: str) -> None:
         self.path = settings.table_path(TABLE)
         self.slide_path = settings.table_path(SLIDING_TABLE)
-        self.finals = {self.path: settings.table_path(FINAL_TABLE),
-                       self.slide_path: settings.table_path(SLIDING_FINAL_TABLE)}
+        self.finals = {self.path: settings.table_path(FINAL_TABLE)}
         self.app_id, self.checkpoint = app_id, checkpoint
         g = settings.gold
         self.base, self.size, self.every = settings.stream.window_seconds, g.slide_window_seconds, g.slide_every_seconds
+        if self.size:
+            self.finals[self.slide_path] = settings.table_path(SLIDING_FINAL_TABLE)
         if self.size % self.base or self.every % self.base:
             raise ValueError(f"gold.slide_window_seconds ({self.size}) and gold.slide_every_seconds "
                              f"({self.every}) must be multiples of stream.window_seconds ({self.base})")
@@ -142,6 +150,7 @@ class MergeBatch:
                 per_file = max(4 * n, MIN_ROWS_PER_FILE)
                 upsert_recent(df.select(*COLUMNS), self.path, KEYS, "window_start", _utc(lo),
                               self.app_id, batch_id, per_file)
+            if n and self.size:
                 sliding = sliding_windows(spark, self.path, df, lo, hi, self.base, self.size, self.every)
                 upsert_recent(sliding, self.slide_path, KEYS, "window_start", _utc(lo - self.size),
                               self.app_id, batch_id, per_file)
@@ -220,7 +229,7 @@ def sliding_windows(spark: SparkSession, tumbling_path: str, changed: DataFrame,
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
     ckpt = settings.checkpoint_path(TABLE)
-    for name in (TABLE, SLIDING_TABLE, FINAL_TABLE, SLIDING_FINAL_TABLE):
+    for name in tables(settings):
         ensure_named_table(spark, settings, name, METRIC_WINDOWS)
     batch = MergeBatch(settings, query_id(ckpt), ckpt)
     metrics = settings.telemetry.gold_metrics

@@ -356,13 +356,23 @@ class GoldSettings(_Section):
     offline_after_seconds: int = Field(120, ge=1)
     anomaly_score_high: float = Field(0.9, gt=0, le=1)
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
-    slide_window_seconds: int = Field(300, ge=60)
+    # the sliding windows (gold_metrics_5m and its final table); 0 turns them off: on small
+    # batches they are most of the window stream's cost (docs/benchmarks.md, session 37)
+    slide_window_seconds: int = Field(300, ge=0)
     slide_every_seconds: int = Field(60, ge=60)
     # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the
     # first reached wins; at least one file): bounds a catch-up batch, whose rows the health
     # stream holds in memory per state bucket. 0 bytes: files only.
     max_files_per_trigger: int = Field(100, ge=1)
     max_bytes_per_trigger: int = Field(64 << 20, ge=0)
+
+    @model_validator(mode="after")
+    def _sliding(self) -> GoldSettings:
+        if 0 < self.slide_window_seconds < max(60, self.slide_every_seconds):
+            raise ValueError(f"gold.slide_window_seconds ({self.slide_window_seconds}) must be 0 (no "
+                             f"sliding windows) or at least 60 and slide_every_seconds "
+                             f"({self.slide_every_seconds})")
+        return self
 
 
 class StorageSettings(_Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -182,10 +183,22 @@ def test_late_data_beyond_watermark_is_not_double_counted(spark, gold_settings) 
     assert sorted(final) == [0] and pick(final[0]) == pick(one[0])
 
 
+def test_sliding_windows_off_writes_only_the_tumbling_tables(spark, gold_settings) -> None:
+    s = gold_settings.model_copy(deep=True)
+    s.gold.slide_window_seconds = 0
+    append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
+    append_silver(s, [temp(130, 1.0)])  # watermark -> 100 s: [0, 60) final in the next batch
+    run_windows(spark, s)
+    assert pick(windows(s, "gold_metrics_1m")[0]) == stats([20.0, 22.0], last=22.0)
+    final = windows(s, "gold_metrics_1m_final")
+    assert sorted(final) == [0] and pick(final[0]) == stats([20.0, 22.0], last=22.0)
+    for table in ("gold_metrics_5m", "gold_metrics_5m_final"):
+        assert not Path(s.table_path(table)).exists()
+
+
 def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold_settings,
                                                                      monkeypatch) -> None:
     import json
-    from pathlib import Path
 
     from pyspark.errors import StreamingQueryException
 

@@ -37,6 +37,8 @@ def test_bad_value_is_named() -> None:
         load_settings(environ={}, kafka={"partitions": 0})
     with pytest.raises(SettingsError, match=r"setting 'simulator.device_prefix'"):
         load_settings(environ={}, simulator={"device_prefix": "a/b"})  # a topic level of its own
+    with pytest.raises(SettingsError, match=r"gold.slide_window_seconds \(30\) must be 0 \(no sliding"):
+        load_settings(environ={}, gold={"slide_window_seconds": 30})
     with pytest.raises(SettingsError, match=r"'spark.driver_memory'.*e\.g\. 2g or 768m"):
         load_settings(environ={}, spark={"driver_memory": "2 GB"})
     assert [load_settings(environ={}, spark={"driver_memory": m}).spark.driver_memory_mb
