@@ -78,6 +78,8 @@ def test_end_of_run_checks_catch_bad_final_windows_and_missing_files(tmp_path: P
                                   "never_final": 2},  # minutes 1 and 3 end before minute 9 does
         "gold_metrics_5m_final": {"rows": 2, "duplicate_keys": 0, "not_in_merged": 0, "differ": 0,
                                   "never_final": 0}}
+    off = load_settings(environ={}, data_root=str(tmp_path), gold={"slide_window_seconds": 0})
+    assert list(final_window_problems(off)) == ["gold_metrics_1m_final"]  # no sliding tables to check
     assert missing_files(s) == {}
     victim = snapshot_files(s)["gold_metrics_5m"][0]
     victim.unlink()
