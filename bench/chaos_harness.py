@@ -431,9 +431,12 @@ def final_window_problems(settings: Settings) -> dict[str, dict[str, int]]:
 
     keys = ["device_id", "metric", "window_start"]
     out: dict[str, dict[str, int]] = {}
+    from gold.windows import tables
+
+    written = tables(settings)  # the sliding pair only while it is on
     for name, merged_name in FINAL_TABLES.items():
-        if merged_name == "gold_metrics_5m" and not settings.gold.slide_window_seconds:
-            continue  # sliding windows off
+        if name not in written:
+            continue
         final, merged = _table(settings, name), _table(settings, merged_name)
         if final is None or merged is None:
             out[name] = {"rows": 0, "table_missing": 1}
@@ -501,6 +504,8 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
     """Check every guarantee for the published ``messages``; counts of violations."""
     import pyarrow.compute as pc
 
+    from gold.windows import SLIDING_TABLE, tables
+
     published = Counter(m.payload for m in messages)
     valid_ids = {m.event_id for m in messages if m.kind in ("valid", "late")}
     malformed = {m.payload for m in messages if m.kind == "malformed"}
@@ -535,7 +540,7 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
     gold, gold5 = _table(settings, "gold_metrics_1m"), _table(settings, "gold_metrics_5m")
     g = settings.gold
     windows_bad = -1
-    sliding = bool(g.slide_window_seconds)  # off: no sliding tables to check
+    sliding = SLIDING_TABLE in tables(settings)  # off: no sliding tables to check
     if gold is not None and (gold5 is not None or not sliding) and silver is not None:
         windows_bad = mismatched_windows(gold, silver, settings.stream.window_seconds)
         if sliding:

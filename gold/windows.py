@@ -150,10 +150,10 @@ class MergeBatch:
                 per_file = max(4 * n, MIN_ROWS_PER_FILE)
                 upsert_recent(df.select(*COLUMNS), self.path, KEYS, "window_start", _utc(lo),
                               self.app_id, batch_id, per_file)
-            if n and self.size:
-                sliding = sliding_windows(spark, self.path, df, lo, hi, self.base, self.size, self.every)
-                upsert_recent(sliding, self.slide_path, KEYS, "window_start", _utc(lo - self.size),
-                              self.app_id, batch_id, per_file)
+                if self.size:  # sliding windows on
+                    sliding = sliding_windows(spark, self.path, df, lo, hi, self.base, self.size, self.every)
+                    upsert_recent(sliding, self.slide_path, KEYS, "window_start", _utc(lo - self.size),
+                                  self.app_id, batch_id, per_file)
             # also on empty (no-data) batches: they exist to advance the watermark
             self.append_final(spark, batch_id)
         finally:
