@@ -356,9 +356,10 @@ class GoldSettings(_Section):
     offline_after_seconds: int = Field(120, ge=1)
     anomaly_score_high: float = Field(0.9, gt=0, le=1)
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
-    # the sliding windows (gold_metrics_5m and its final table); 0 turns them off: they cost
-    # about half of the window stream (docs/benchmarks.md, session 37)
-    slide_window_seconds: int = Field(300, ge=0)
+    # the sliding windows (gold_metrics_5m and its final table; e.g. 300). 0, the default, leaves
+    # them out: no reader iotlake ships needs them, and they cost about half of the window
+    # stream (docs/benchmarks.md, sessions 37-38)
+    slide_window_seconds: int = Field(0, ge=0)
     slide_every_seconds: int = Field(60, ge=60)
     # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the
     # first reached wins; at least one file): bounds a catch-up batch, whose rows the health

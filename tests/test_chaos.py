@@ -66,7 +66,7 @@ def test_end_of_run_checks_catch_bad_final_windows_and_missing_files(tmp_path: P
     """The chaos verification is not vacuous: a final window appended twice, one that differs
     from its merged row, one the merged table lacks, merged windows that never became final
     and a deleted data file are each reported; a correct copy reports nothing."""
-    s = load_settings(environ={}, data_root=str(tmp_path))
+    s = load_settings(environ={}, data_root=str(tmp_path), gold={"slide_window_seconds": 300})
     merged = [(0, 20.0), (1, 21.0), (2, 22.0), (3, 23.0)]
     tables = {"gold_metrics_1m": [merged], "gold_metrics_1m_final": [[(0, 20.0), (2, 22.5)], [(0, 20.0), (9, 1.0)]],
               "gold_metrics_5m": [merged], "gold_metrics_5m_final": [merged[:2]]}
@@ -78,8 +78,8 @@ def test_end_of_run_checks_catch_bad_final_windows_and_missing_files(tmp_path: P
                                   "never_final": 2},  # minutes 1 and 3 end before minute 9 does
         "gold_metrics_5m_final": {"rows": 2, "duplicate_keys": 0, "not_in_merged": 0, "differ": 0,
                                   "never_final": 0}}
-    off = load_settings(environ={}, data_root=str(tmp_path), gold={"slide_window_seconds": 0})
-    assert list(final_window_problems(off)) == ["gold_metrics_1m_final"]  # no sliding tables to check
+    off = load_settings(environ={}, data_root=str(tmp_path))  # the default: no sliding tables
+    assert list(final_window_problems(off)) == ["gold_metrics_1m_final"]
     assert missing_files(s) == {}
     victim = snapshot_files(s)["gold_metrics_5m"][0]
     victim.unlink()

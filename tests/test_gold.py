@@ -27,6 +27,13 @@ def gold_settings(tmp_path) -> Settings:
     )
 
 
+def sliding(settings: Settings) -> Settings:
+    """``settings`` with the sliding windows on (5 minutes every minute; off by default)."""
+    s = settings.model_copy(deep=True)
+    s.gold.slide_window_seconds = 300
+    return s
+
+
 def reading(device: str, t: datetime, temp: float = 21.0, battery: float = 80.0, status="ok") -> dict:
     return dict(event_id=uuid.uuid4().hex, device_id=device, event_time=t, temperature=temp,
                 humidity=40.0, battery=battery, status=status, schema_version=1, extra=None,
@@ -148,7 +155,7 @@ def pick(row: dict) -> dict:
 
 
 def test_late_data_inside_watermark_updates_tumbling_and_sliding_windows(spark, gold_settings) -> None:
-    s = gold_settings
+    s = sliding(gold_settings)
     append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
     append_silver(s, [temp(70, 30.0)])  # watermark -> 70 - 30 = 40 s
     run_windows(spark, s)
@@ -169,7 +176,7 @@ def test_late_data_inside_watermark_updates_tumbling_and_sliding_windows(spark, 
 
 
 def test_late_data_beyond_watermark_is_not_double_counted(spark, gold_settings) -> None:
-    s = gold_settings
+    s = sliding(gold_settings)
     append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
     append_silver(s, [temp(130, 1.0)])  # watermark -> 100 s from the next batch on
     append_silver(s, [temp(135, 2.0)])
@@ -183,9 +190,9 @@ def test_late_data_beyond_watermark_is_not_double_counted(spark, gold_settings) 
     assert sorted(final) == [0] and pick(final[0]) == pick(one[0])
 
 
-def test_sliding_windows_off_writes_only_the_tumbling_tables(spark, gold_settings) -> None:
-    s = gold_settings.model_copy(deep=True)
-    s.gold.slide_window_seconds = 0
+def test_by_default_only_the_tumbling_tables_are_written(spark, gold_settings) -> None:
+    s = gold_settings
+    assert s.gold.slide_window_seconds == 0
     append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
     append_silver(s, [temp(130, 1.0)])  # watermark -> 100 s: [0, 60) final in the next batch
     run_windows(spark, s)
@@ -204,7 +211,7 @@ def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold
 
     import gold.windows
 
-    s = gold_settings
+    s = sliding(gold_settings)
     ckpt = Path(s.checkpoint_path("gold_metrics_1m"))
     append_silver(s, [temp(10, 20.0), temp(50, 22.0)])
     append_silver(s, [temp(70, 30.0)])
@@ -324,7 +331,7 @@ def test_replayed_window_batch_writes_nothing_twice(spark, gold_settings, tmp_pa
     import gold.windows
     from lakehouse.tables import METRIC_WINDOWS
 
-    s = gold_settings
+    s = sliding(gold_settings)
     append_silver(s, [temp(10, 20.0), temp(70, 30.0)])
     run_windows(spark, s)
 

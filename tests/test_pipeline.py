@@ -219,6 +219,8 @@ def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
     import gold.windows
     from lakehouse.tables import SILVER
 
+    settings = settings.model_copy(deep=True)
+    settings.gold.slide_window_seconds = 300  # off by default
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rng = __import__("random").Random(5)
     recs = [dict(event_id=f"{i:032x}", device_id=f"dev-{i % 3:05d}",
