@@ -149,21 +149,30 @@ def rates(q: StreamingQuery, wall: float, cpu: dict[str, float]) -> dict:
     }
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU time of this process (driver), the JVM and the Python workers (live ones).
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """CPU time of this process (driver), the JVM and the Python workers (live ones), by pid.
 
     The machine is shared: wall-clock rates depend on others' load, CPU seconds much less.
     """
-    out = {"driver": 0.0, "jvm": 0.0, "workers": 0.0}
+    out = {}
     me = psutil.Process()
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
             kind = "driver" if p.pid == me.pid else "jvm" if p.name() == "java" else "workers"
-            out[kind] += t.user + t.system
+            out[p.pid] = (kind, t.user + t.system)
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by kind between two samples, per process: a Python worker that exited in
+    between (Spark retires idle ones) is left out, not subtracted; a new one counts whole."""
+    out = {"driver": 0.0, "jvm": 0.0, "workers": 0.0}
+    for pid, (kind, cpu) in after.items():
+        out[kind] += max(0.0, cpu - before.get(pid, (kind, 0.0))[1])  # max: a reused pid
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def run(starts: list[Callable[[], StreamingQuery]]
@@ -176,7 +185,7 @@ def run(starts: list[Callable[[], StreamingQuery]]
         if q.exception():
             raise RuntimeError(str(q.exception()))
     c1 = cpu_seconds()
-    return qs, time.perf_counter() - t0, {k: round(c1[k] - c0[k], 1) for k in c0}
+    return qs, time.perf_counter() - t0, cpu_used(c0, c1)
 
 
 def fresh(root: Path, name: str, max_files: int, silver: str) -> Settings:

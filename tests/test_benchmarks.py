@@ -60,3 +60,13 @@ def test_spark_bench_smoke(bench: str, spark: SparkSession, monkeypatch: pytest.
                 spark.conf.set(k, v)
     check_last_line(bench, capsys.readouterr().out, IN_PROCESS[bench])
 
+
+
+def test_gold_throughput_cpu_leaves_out_exited_workers() -> None:
+    """A Python worker that exits during a run (Spark retires idle ones) is not subtracted
+    from the run's CPU; one started during it counts whole."""
+    from bench.gold_throughput import cpu_used
+
+    before = {1: ("driver", 1.0), 2: ("jvm", 10.0), 3: ("workers", 30.0)}
+    after = {1: ("driver", 1.5), 2: ("jvm", 25.0), 4: ("workers", 2.0)}
+    assert cpu_used(before, after) == {"driver": 0.5, "jvm": 15.0, "workers": 2.0}
