@@ -3,8 +3,8 @@
 Silver readings are unpivoted to (device_id, metric, event_time, value) and aggregated per
 window: count, mean, min, max, stddev, last value. Update mode + an idempotent upsert keyed by
 (device_id, metric, window_start) keeps every window, open ones included, current in Delta
-(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it, unless
-``gold.slide_window_seconds`` is 0). The upsert
+(``gold_metrics_1m``; the sliding ``gold_metrics_5m`` is rolled up from it where
+``gold.slide_window_seconds`` turns it on, off by default). The upsert
 (``delta_tables.upsert_recent``) MERGEs while the files of recent windows are small and
 otherwise replaces the recent rows in sorted, bounded files, so a batch rewrites about its own
 windows however long the day's partition has grown.
