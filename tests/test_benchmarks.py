@@ -61,7 +61,6 @@ def test_spark_bench_smoke(bench: str, spark: SparkSession, monkeypatch: pytest.
     check_last_line(bench, capsys.readouterr().out, IN_PROCESS[bench])
 
 
-
 def test_gold_throughput_cpu_leaves_out_exited_workers() -> None:
     """A Python worker that exits during a run (Spark retires idle ones) is not subtracted
     from the run's CPU; one started during it counts whole."""
