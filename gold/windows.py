@@ -29,6 +29,7 @@ bounds, so Delta skips the files whose statistics lie outside them.
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,10 +37,13 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
+from lakehouse.delta_read import table_exists
 from lakehouse.delta_tables import append, ensure_named_table, timestamp_literal, upsert_recent
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS, METRICS
+
+log = logging.getLogger(__name__)
 
 TABLE = "gold_metrics_1m"
 SLIDING_TABLE = "gold_metrics_5m"
@@ -69,6 +73,14 @@ def tables(settings: Settings) -> tuple[str, ...]:
     """The tables the window stream writes: the sliding pair only while it is on."""
     sliding = (SLIDING_TABLE, SLIDING_FINAL_TABLE) if settings.gold.slide_window_seconds else ()
     return (TABLE, FINAL_TABLE, *sliding)
+
+
+def stale_tables(settings: Settings) -> list[str]:
+    """Sliding tables on disk that the window stream no longer writes (turned off, or a
+    deployment from before they were off by default): they keep their rows but stop growing."""
+    if settings.gold.slide_window_seconds:
+        return []
+    return [t for t in (SLIDING_TABLE, SLIDING_FINAL_TABLE) if table_exists(settings.table_path(t))]
 
 
 def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds: int,
@@ -229,6 +241,10 @@ def sliding_windows(spark: SparkSession, tumbling_path: str, changed: DataFrame,
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
     ckpt = settings.checkpoint_path(TABLE)
+    stale = stale_tables(settings)
+    if stale:
+        log.warning("%s: kept as they are but no longer updated, as gold.slide_window_seconds is 0 "
+                    "(off by default); set it to e.g. 300 to keep them current", ", ".join(stale))
     for name in tables(settings):
         ensure_named_table(spark, settings, name, METRIC_WINDOWS)
     batch = MergeBatch(settings, query_id(ckpt), ckpt)

@@ -203,6 +203,19 @@ def test_by_default_only_the_tumbling_tables_are_written(spark, gold_settings) -
         assert not Path(s.table_path(table)).exists()
 
 
+def test_sliding_tables_left_from_before_are_named(tmp_path) -> None:
+    """Sliding tables written before they were turned off (or off by default) are the stale ones
+    the window stream's start warns about: they keep their rows but stop growing."""
+    import gold.windows
+    from lakehouse.tables import METRIC_WINDOWS
+
+    s = load_settings(environ={}, data_root=str(tmp_path))
+    assert gold.windows.stale_tables(s) == []
+    write_deltalake(s.table_path("gold_metrics_5m"), METRIC_WINDOWS.empty_table())
+    assert gold.windows.stale_tables(s) == ["gold_metrics_5m"]
+    assert gold.windows.stale_tables(sliding(s)) == []  # on: written, not stale
+
+
 def test_final_windows_appended_once_across_crash_restart_and_replay(spark, gold_settings,
                                                                      monkeypatch) -> None:
     import json
