@@ -78,9 +78,9 @@ def tables(settings: Settings) -> tuple[str, ...]:
 def stale_tables(settings: Settings) -> list[str]:
     """Sliding tables on disk that the window stream no longer writes (turned off, or a
     deployment from before they were off by default): they keep their rows but stop growing."""
-    if settings.gold.slide_window_seconds:
-        return []
-    return [t for t in (SLIDING_TABLE, SLIDING_FINAL_TABLE) if table_exists(settings.table_path(t))]
+    written = tables(settings)
+    return [t for t in (SLIDING_TABLE, SLIDING_FINAL_TABLE)
+            if t not in written and table_exists(settings.table_path(t))]
 
 
 def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds: int,
