@@ -159,3 +159,41 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return _LONG_FILES.index(name) if name in _LONG_FILES else len(_LONG_FILES)
 
     items.sort(key=weight)  # stable: order within a file is kept
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds of this process and every live descendant, plus the children each has reaped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                f = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(p.name)] = (int(f[1]), sum(int(x) for x in f[11:15]) / tick)
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in mine]
+        mine.update(kids)
+        frontier.extend(kids)
+    return sum(stats[pid][1] for pid in mine if pid in stats)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``IOTLAKE_TEST_CPU_LOG=file`` appends each test's wall and CPU seconds (its worker's whole
+    process tree: the shared Spark JVM, CLI processes, brokers it started) to ``file``: where the
+    suite's CPU goes, per test, on cores that are always busy."""
+    log = os.environ.get("IOTLAKE_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    import time
+
+    t0, c0 = time.monotonic(), _tree_cpu_seconds()
+    yield
+    wall, cpu = time.monotonic() - t0, _tree_cpu_seconds() - c0
+    with open(log, "a") as f:
+        f.write(f"{item.nodeid}\t{wall:.1f}\t{cpu:.1f}\n")
