@@ -161,30 +161,62 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=weight)  # stable: order within a file is kept
 
 
-def _tree_cpu_seconds() -> float:
-    """CPU seconds of this process and every live descendant, plus the children each has reaped."""
-    tick = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                f = (p / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(p.name)] = (int(f[1]), sum(int(x) for x in f[11:15]) / tick)
-    mine, frontier = {os.getpid()}, [os.getpid()]
-    while frontier:
-        parent = frontier.pop()
-        kids = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in mine]
-        mine.update(kids)
-        frontier.extend(kids)
-    return sum(stats[pid][1] for pid in mine if pid in stats)
+
+class _TreeCpu:
+    """CPU seconds of this worker and every process it started, sampled each second from /proc.
+
+    A pid seen once under the worker keeps counting after its parent dies (an orphaned JVM is
+    reparented to init); a process loses at most its last second."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.tick, self.last, self.total = os.sysconf("SC_CLK_TCK"), {}, 0.0
+        self.lock = threading.Lock()
+        self.sample(baseline=True)
+        threading.Thread(target=self._loop, daemon=True, name="tree-cpu").start()
+
+    def _loop(self) -> None:
+        import time
+
+        while True:
+            time.sleep(1.0)
+            self.sample()
+
+    def sample(self, baseline: bool = False) -> float:
+        stats: dict[int, tuple[int, float]] = {}
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                try:
+                    f = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(p.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / self.tick)
+        with self.lock:
+            ours = set(self.last) | {os.getpid()}
+            grew = True
+            while grew:
+                kids = {pid for pid, (ppid, _) in stats.items() if ppid in ours} - ours
+                ours |= kids
+                grew = bool(kids)
+            for pid in ours:
+                if pid in stats:
+                    cpu = stats[pid][1]
+                    if not baseline:  # a new pid counts from 0: it started since the last sample
+                        self.total += max(0.0, cpu - self.last.get(pid, 0.0))
+                    self.last[pid] = cpu
+            for pid in set(self.last) - set(stats):
+                del self.last[pid]  # gone: its last second is lost
+            return self.total
+
+
+_tree_cpu: _TreeCpu | None = None
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """``IOTLAKE_TEST_CPU_LOG=file`` appends each test's wall and CPU seconds (its worker's whole
-    process tree: the shared Spark JVM, CLI processes, brokers it started) to ``file``: where the
+    """``IOTLAKE_TEST_CPU_LOG=file`` appends each test's wall and CPU seconds (its worker and
+    every process it started: the shared Spark JVM, CLI processes, brokers) to ``file``: where the
     suite's CPU goes, per test, on cores that are always busy."""
     log = os.environ.get("IOTLAKE_TEST_CPU_LOG")
     if not log:
@@ -192,8 +224,10 @@ def pytest_runtest_protocol(item, nextitem):
         return
     import time
 
-    t0, c0 = time.monotonic(), _tree_cpu_seconds()
+    global _tree_cpu
+    _tree_cpu = _tree_cpu or _TreeCpu()
+    t0, c0 = time.monotonic(), _tree_cpu.sample()
     yield
-    wall, cpu = time.monotonic() - t0, _tree_cpu_seconds() - c0
+    wall, cpu = time.monotonic() - t0, _tree_cpu.sample() - c0
     with open(log, "a") as f:
         f.write(f"{item.nodeid}\t{wall:.1f}\t{cpu:.1f}\n")
