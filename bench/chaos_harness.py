@@ -46,7 +46,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,10 @@ class ChaosConfig:
     compactions: int = 0
     #: tables each compaction rewrites (None: every table)
     compact_tables: tuple[str, ...] | None = None
-    start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+    #: event time of the first reading: yesterday, so the built-in upkeep's retention (30 days
+    #: and more) leaves the run's rows alone while the checks read them
+    start: datetime = field(default_factory=lambda: datetime.now(UTC).replace(
+        minute=0, second=0, microsecond=0) - timedelta(days=1))
     kafka_port: int = 0  # 0: pick a free port
     mqtt_port: int = 0
     partitions: int = 4  # Kafka partitions of the telemetry topic (the project default)
@@ -221,8 +224,6 @@ def message_stream(settings: Settings, rate: float, devices: int, seed: int, sta
     the whole run and a duplicate re-sends a reading at most one chunk (``chunk / rate`` s of
     event time) old: never late while that is well under the watermark.
     """
-    from datetime import timedelta
-
     from ingest.simulator import generate
 
     for i in itertools.count():

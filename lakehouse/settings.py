@@ -265,6 +265,11 @@ class MaintenanceSettings(_Section):
     #: because on a local disk every commit pays for every file the log holds
     #: (bench/delta_log_length.py); a lagging stream's commits are kept whatever this says
     log_retention_hours: float = Field(1, gt=0)
+    #: commits between Delta log checkpoints on the tables iotlake creates
+    #: (``delta.checkpointInterval``; Delta's default is 10). A checkpoint rebuilds the table's
+    #: state and writes it as Parquet in the committing stream's batch, about ten plain commits'
+    #: cost on a small table; the log clean-up needs one before it can drop older commits
+    log_checkpoint_commits: int = Field(100, ge=1)
     #: allow either retention below MIN_RETENTION_HOURS: only where nothing reads older
     #: versions (soak runs, tests)
     allow_short_retention: bool = False

@@ -75,6 +75,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
                 _minutes(settings.maintenance.log_retention_hours))
         .config("spark.databricks.delta.properties.defaults.deletedFileRetentionDuration",
                 _minutes(settings.maintenance.vacuum_retention_hours))
+        .config("spark.databricks.delta.properties.defaults.checkpointInterval",
+                str(settings.maintenance.log_checkpoint_commits))
         # the log is cleaned by iotlake's upkeep, which keeps what a lagging stream still has to
         # read; Delta's own clean-up at log checkpoints does not know the streams
         .config("spark.databricks.delta.properties.defaults.enableExpiredLogCleanup", "false")

@@ -184,3 +184,16 @@ def test_statistics_only_on_the_columns_reads_filter_on(spark, tmp_path: Path) -
         assert sorted(r.mean for r in spark.table("stats_upgrade").collect()) == [0, 1, 2, 3, 4]
     finally:
         q.stop()
+
+
+def test_tables_take_the_log_checkpoint_interval_from_the_settings(spark, table: str) -> None:
+    """A log checkpoint every ``maintenance.log_checkpoint_commits`` commits, not Delta's 10: a
+    checkpoint costs a small table about ten commits, inside the batch that commits it."""
+    from lakehouse.settings import load_settings
+
+    interval = load_settings(environ={}).maintenance.log_checkpoint_commits
+    assert interval == 100
+    assert DeltaTable(table).metadata().configuration["delta.checkpointInterval"] == str(interval)
+    for i in range(11):  # past Delta's own interval: no checkpoint yet
+        delta_tables.append(rows(spark, 10 * i), table, "app", i)
+    assert not list(Path(table, "_delta_log").glob("*.checkpoint.parquet"))

@@ -327,7 +327,22 @@ def expire_log(spark, path: str) -> Path:
     return log_dir
 
 
-def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, spark) -> None:
+@pytest.fixture
+def checkpoint_every_10(spark):
+    """Tables created meanwhile take Delta's own log checkpoint interval (iotlake's is
+    ``maintenance.log_checkpoint_commits``): checkpoints at versions 10 and 20."""
+    key = "spark.databricks.delta.properties.defaults.checkpointInterval"
+    before = spark.conf.get(key, None)
+    spark.conf.set(key, "10")
+    yield
+    if before is None:
+        spark.conf.unset(key)
+    else:
+        spark.conf.set(key, before)
+
+
+def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, spark,
+                                                               checkpoint_every_10) -> None:
     """A stream (the silver query, reading bronze) stopped past the retentions: bronze keeps its
     whole log, and is not vacuumed, until the stream has read it; then the expired commits go.
     Tables iotlake creates leave the log to this clean-up (Delta's own does not know the streams)."""
@@ -361,7 +376,8 @@ def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, s
     assert "status" not in vacuum(s, ["bronze"], lite=True)[0]
 
 
-def test_clean_log_removes_expired_commits_and_their_checksums(tmp_path: Path, spark) -> None:
+def test_clean_log_removes_expired_commits_and_their_checksums(tmp_path: Path, spark,
+                                                              checkpoint_every_10) -> None:
     """Commits past the table's log retention that precede its latest checkpoint go, with the
     checksum files beside them; the table reads the same through delta-spark and delta-rs, and
     takes new commits. (Delta's own clean-up would keep them until the next calendar day.)"""
