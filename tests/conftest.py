@@ -161,7 +161,6 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=weight)  # stable: order within a file is kept
 
 
-
 class _TreeCpu:
     """CPU seconds of this worker and every process it started, sampled each second from /proc.
 
