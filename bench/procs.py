@@ -25,7 +25,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _procs() -> dict[int, tuple[int, str, float, int]]:
+def processes() -> dict[int, tuple[int, str, float, int]]:
     """pid -> (parent pid, command line, CPU seconds, resident bytes) of every live process."""
     out = {}
     for p in Path("/proc").iterdir():
@@ -44,7 +44,7 @@ def _procs() -> dict[int, tuple[int, str, float, int]]:
 def by_role(roots: list[int] | None = None) -> dict[str, dict[str, float]]:
     """CPU seconds so far and resident bytes now, summed by role: of every process on the
     machine (``other``: the rest), or only of ``roots`` and their descendants."""
-    procs = _procs()
+    procs = processes()
     if roots is not None:
         keep, frontier = set(), [r for r in roots if r in procs]
         while frontier:

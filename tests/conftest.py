@@ -170,7 +170,8 @@ class _TreeCpu:
     def __init__(self) -> None:
         import threading
 
-        self.tick, self.last, self.total = os.sysconf("SC_CLK_TCK"), {}, 0.0
+        self.last: dict[int, float] = {}
+        self.total = 0.0
         self.lock = threading.Lock()
         self.sample(baseline=True)
         threading.Thread(target=self._loop, daemon=True, name="tree-cpu").start()
@@ -183,14 +184,9 @@ class _TreeCpu:
             self.sample()
 
     def sample(self, baseline: bool = False) -> float:
-        stats: dict[int, tuple[int, float]] = {}
-        for p in Path("/proc").iterdir():
-            if p.name.isdigit():
-                try:
-                    f = (p / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                stats[int(p.name)] = (int(f[1]), (int(f[11]) + int(f[12])) / self.tick)
+        from procs import processes
+
+        stats = {pid: (ppid, cpu) for pid, (ppid, _, cpu, _) in processes().items()}
         with self.lock:
             ours = set(self.last) | {os.getpid()}
             grew = True
