@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from lakehouse import delta_tables
+from lakehouse import delta_tables, delta_txn
 
 _groups = itertools.count()
 
@@ -52,7 +52,7 @@ def test_append_once_per_batch_in_one_job_with_generated_columns(spark, table: s
     assert set(got.column("time_bucket").to_pylist()) == {"2026-11-26"}
     assert dt.transaction_version("app") == 1 and dt.transaction_version("other-app") == 0
     assert [h["operation"] for h in dt.history()][:3] == ["WRITE"] * 3
-    assert delta_tables._append_fast_path
+    assert delta_txn.enabled
 
 
 def test_replay_without_a_checksum_file_uses_deltas_own_lookup(spark, table: str) -> None:
@@ -75,8 +75,8 @@ def test_schema_changes_take_the_writer_path(spark, table: str) -> None:
     delta_tables.append(wider, table, "app", 0, schema_evolution=True)
     assert "extra" in spark.read.format("delta").load(table).columns
     narrower_type = rows(spark, 10).selectExpr("cast(id as int) as id", "s", "ts")
-    assert not delta_tables._fits(narrower_type.schema, _metadata(spark, table))
-    assert delta_tables._fits(rows(spark, 10).schema, _metadata(spark, table))  # extra: nullable
+    assert not delta_txn._fits(narrower_type.schema, _metadata(spark, table))
+    assert delta_txn._fits(rows(spark, 10).schema, _metadata(spark, table))  # extra: nullable
     delta_tables.append(rows(spark, 10), table, "app", 1)
     assert jobs_of(spark, lambda: delta_tables.append(rows(spark, 20), table, "app", 2)) == 1
     for got in (spark.read.format("delta").load(table).toArrow(), DeltaTable(table).to_pyarrow_table()):
@@ -197,3 +197,83 @@ def test_tables_take_the_log_checkpoint_interval_from_the_settings(spark, table:
     for i in range(11):  # past Delta's own interval: no checkpoint yet
         delta_tables.append(rows(spark, 10 * i), table, "app", i)
     assert not list(Path(table, "_delta_log").glob("*.checkpoint.parquet"))
+
+
+def devices(spark, ids: range, value: int, status: str = "ok"):
+    """``device_current``-like rows: one per device, ``v`` = device number + ``value``."""
+    return spark.range(ids.start, ids.stop).selectExpr(
+        "concat('d', cast(id as string)) as device_id", f"'{status}' as status",
+        f"cast(id + {value} as double) as v", "timestamp'2026-11-26 10:00:00' as ts")
+
+
+@pytest.fixture
+def current(spark, tmp_path: Path) -> str:
+    path = str(tmp_path / "current")
+    schema = spark.createDataFrame([], "device_id string, status string, v double, ts timestamp").schema
+    delta_tables.ensure_table(spark, path, schema)  # nullable columns, as iotlake's tables
+    return path
+
+
+def test_a_small_table_is_upserted_whole_in_two_jobs(spark, current: str) -> None:
+    """Rows of the batch's keys are replaced whole, other keys kept, new keys inserted, a
+    replayed batch writes nothing; Spark and delta-rs read the same rows, and the history shows
+    an overwriting WRITE. Two Spark jobs (the keys' broadcast, the write), no log replay."""
+    def content(t: pa.Table) -> dict:
+        return dict(zip(t.column("device_id").to_pylist(), t.column("v").to_pylist(), strict=True))
+
+    delta_tables.upsert(devices(spark, range(5), 0), current, ["device_id"], "app", 0)
+    assert jobs_of(spark, lambda: delta_tables.upsert(devices(spark, range(3, 8), 100), current,
+                                                      ["device_id"], "app", 1)) == 2
+    want = {**{f"d{i}": float(i) for i in range(3)}, **{f"d{i}": i + 100.0 for i in range(3, 8)}}
+    version = DeltaTable(current).version()
+    assert jobs_of(spark, lambda: delta_tables.upsert(devices(spark, range(8), 500), current,
+                                                      ["device_id"], "app", 1)) == 0  # replayed
+    dt = DeltaTable(current)
+    assert dt.version() == version and dt.transaction_version("app") == 1
+    assert content(dt.to_pyarrow_table()) == want
+    assert content(spark.read.format("delta").load(current).toArrow()) == want
+    assert len(dt.file_uris()) == 1
+    assert [h["operation"] for h in dt.history(2)] == ["WRITE", "WRITE"]
+    assert delta_txn.enabled
+
+
+def test_upserts_that_cannot_rewrite_the_table_whole_merge(spark, current: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch without every column keeps the others (a MERGE's update), and a table past
+    ``WHOLE_REWRITE_MAX_BYTES`` is MERGEd: both give a MERGE's result."""
+    delta_tables.upsert(devices(spark, range(4), 0, status="ok"), current, ["device_id"], "app", 0)
+    partial = devices(spark, range(2, 6), 100).drop("status")
+    assert jobs_of(spark, lambda: delta_tables.upsert(partial, current, ["device_id"], "app", 1)) > 2
+    got = DeltaTable(current).to_pyarrow_table().sort_by("device_id").to_pylist()
+    assert [(r["device_id"], r["status"], r["v"]) for r in got] == [
+        ("d0", "ok", 0.0), ("d1", "ok", 1.0), ("d2", "ok", 102.0), ("d3", "ok", 103.0),
+        ("d4", None, 104.0), ("d5", None, 105.0)]
+    monkeypatch.setattr(delta_txn, "WHOLE_REWRITE_MAX_BYTES", 0)
+    assert jobs_of(spark, lambda: delta_tables.upsert(devices(spark, range(1), 7), current,
+                                                      ["device_id"], "app", 2)) > 2
+    assert DeltaTable(current).to_pyarrow_table().num_rows == 6
+
+
+def test_a_compaction_during_a_whole_table_upsert_is_retried(spark, current: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compaction that commits between the upsert's read and its commit conflicts with it (the
+    whole table was read): the upsert retries on the compacted table and loses nothing."""
+    for batch in range(3):  # three files to compact
+        delta_tables.append(devices(spark, range(batch, batch + 1), 0), current, "app", batch)
+    start, compacted = delta_txn._start, []
+
+    def start_then_compact(df, path):
+        txn = start(df, path)
+        if not compacted:
+            spark.sql(f"OPTIMIZE delta.`{path}`").collect()
+            compacted.append(DeltaTable(path).history(1)[0]["operation"])
+        return txn
+
+    monkeypatch.setattr(delta_txn, "_start", start_then_compact)
+    delta_tables.upsert(devices(spark, range(2, 4), 10), current, ["device_id"], "app", 3)
+    assert compacted == ["OPTIMIZE"]
+    got = DeltaTable(current).to_pyarrow_table()
+    assert got.num_rows == 4  # not the compacted file's rows beside the rewritten ones
+    assert dict(zip(got.column("device_id").to_pylist(), got.column("v").to_pylist(), strict=True)) == {
+        "d0": 0.0, "d1": 1.0, "d2": 12.0, "d3": 13.0}
+    assert [h["operation"] for h in DeltaTable(current).history(2)] == ["WRITE", "OPTIMIZE"]

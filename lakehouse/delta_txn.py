@@ -1,0 +1,167 @@
+"""Writes through Delta's transaction API, for the two writes every micro-batch makes.
+
+Delta's DataFrame writer and MERGE rebuild a table's state from its log before they write: a
+Spark job per commit, which on small tables is most of the write. Each commit here reads what
+it needs from the version's checksum file instead (the table's app transactions, and for small
+tables its data files: Delta lists them there up to 50 files), then writes and commits with
+Delta's own ``OptimisticTransaction``: the same files, statistics, generated columns, conflict
+checks and ``SetTransaction`` (exactly once per app id and batch) as Delta's commands.
+
+Each function raises ``SlowPath`` where it does not apply (the caller then uses Delta's own
+command), and turns itself off for the process if Delta's API differs from delta-spark 4.4's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from functools import reduce
+
+from pyspark.sql import DataFrame
+from pyspark.sql.types import StructType
+
+log = logging.getLogger(__name__)
+
+#: A table at most this large (bytes, per its checksum file) is rewritten whole by an upsert:
+#: reading and writing it costs less than a MERGE's log replay and joins (docs/benchmarks.md,
+#: session 40).
+WHOLE_REWRITE_MAX_BYTES = 16 << 20
+
+
+class SlowPath(Exception):
+    """The fast write does not apply: use Delta's own command instead."""
+
+
+enabled = True  # off for the process after Delta's API did not match (logged once)
+
+
+def append_once(df: DataFrame, path: str, app_id: str, batch_id: int) -> None:
+    """Delta's own write and commit (files, ``SetTransaction``, a WRITE in the history), minus
+    the full log replay the DataFrame writer runs on every idempotent append to look the app id
+    up: Delta 4.4 answers ``txnVersion`` from the snapshot's reconstructed state (a Spark job,
+    about half a small append's cost), while the version's checksum file already lists the
+    table's transactions. Only for data whose columns the table has with the same types."""
+    with _api(df) as jvm:
+        txn = _start(df, path)
+        if not _fits(df.schema, txn.metadata()):
+            raise SlowPath
+        if _txn_version(jvm, txn, app_id) >= batch_id:
+            return
+        _commit(jvm, txn, txn.writeFiles(df._jdf), [], app_id, batch_id,
+                jvm.org.apache.spark.sql.delta.DeltaOperations.Write(
+                    jvm.org.apache.spark.sql.SaveMode.Append, *[_none(jvm)] * 8))
+
+
+def upsert_whole(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int) -> None:
+    """Upsert ``df`` (one row per key, every column of the table) into a small table by
+    rewriting it: its rows whose keys ``df`` lacks, plus ``df``, replace all its files in one
+    commit (an overwriting WRITE in the history). Two Spark jobs where a MERGE runs six after a log replay.
+
+    Only while the checksum file lists the table's files (Delta does so for small tables) and
+    they total at most ``WHOLE_REWRITE_MAX_BYTES``; only for rows that carry every column, as a
+    MERGE's update keeps the columns its source lacks. The whole table is read, so any commit
+    another writer makes meanwhile (compaction) conflicts, as it does with a MERGE."""
+    with _api(df) as jvm:
+        txn = _start(df, path)
+        if not (_fits(df.schema, txn.metadata()) and _covers(df.schema, txn.metadata())):
+            raise SlowPath
+        if _txn_version(jvm, txn, app_id) >= batch_id:
+            return
+        checksum = txn.snapshot().checksumOpt()
+        if not (checksum.isDefined() and checksum.get().allFiles().isDefined()
+                and checksum.get().tableSizeBytes() <= WHOLE_REWRITE_MAX_BYTES):
+            raise SlowPath
+        files = checksum.get().allFiles().get()
+        txn.readWholeTable()
+        old = DataFrame(txn.deltaLog().createDataFrame(txn.snapshot(), files, False, _none(jvm)),
+                        df.sparkSession)
+        new_keys = df.select(*keys)
+        same = reduce(lambda a, b: a & b, [old[k].eqNullSafe(new_keys[k]) for k in keys])
+        rows = (old.join(new_keys, same, "left_anti").select(*df.columns)
+                .unionByName(df).coalesce(1))
+        removes = [f.remove() for f in _java_list(jvm, files)]
+        op = jvm.org.apache.spark.sql.delta.DeltaOperations.Write(
+            jvm.org.apache.spark.sql.SaveMode.Overwrite, *[_none(jvm)] * 8)
+        _commit(jvm, txn, txn.writeFiles(rows._jdf), removes, app_id, batch_id, op)
+
+
+class _api:
+    """Context: the session's JVM; Delta's errors (conflicts) pass through, an API that moved
+    (another Delta release) turns the fast writes off for the process and raises ``SlowPath``."""
+
+    def __init__(self, df: DataFrame) -> None:
+        self.jvm = df.sparkSession._jvm
+
+    def __enter__(self):
+        if not enabled:
+            raise SlowPath
+        return self.jvm
+
+    def __exit__(self, kind, e, tb) -> bool:
+        global enabled
+        from py4j.protocol import Py4JError, Py4JJavaError
+
+        if e is None or isinstance(e, (Py4JJavaError, SlowPath)) or not isinstance(e, Py4JError):
+            return False
+        log.warning("Delta's transaction API differs from delta-spark 4.4's (%s); writes go "
+                    "through Delta's commands", str(e).splitlines()[0][:200])
+        enabled = False
+        raise SlowPath from e
+
+
+def _start(df: DataFrame, path: str):
+    spark = df.sparkSession
+    return spark._jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, path).startTransaction()
+
+
+def _none(jvm):
+    return getattr(getattr(jvm.scala, "None$"), "MODULE$")
+
+
+def _java_list(jvm, seq) -> list:
+    return list(jvm.scala.jdk.javaapi.CollectionConverters.asJava(seq))
+
+
+def _commit(jvm, txn, adds, removes: list, app_id: str, batch_id: int, op) -> None:
+    actions = jvm.java.util.ArrayList()
+    for a in [*_java_list(jvm, adds), *removes]:
+        actions.add(a)
+    now = jvm.scala.Some(jvm.java.lang.Long.valueOf(int(time.time() * 1000)))
+    actions.add(jvm.org.apache.spark.sql.delta.actions.SetTransaction(app_id, batch_id, now))
+    txn.commit(jvm.scala.jdk.javaapi.CollectionConverters.asScala(actions).toSeq(), op)
+
+
+def _table_fields(metadata) -> dict:
+    table = StructType.fromJson(json.loads(metadata.schema().json()))
+    return {f.name.lower(): f for f in table.fields}
+
+
+def _fits(schema: StructType, metadata) -> bool:
+    """Every column of ``schema`` is in the table with the same type; the table's other columns
+    are generated (Delta computes them while writing) or nullable (read as null, as in files
+    written before a column was added)."""
+    have = _table_fields(metadata)
+    for f in schema.fields:
+        t = have.pop(f.name.lower(), None)
+        if t is None or t.dataType.simpleString() != f.dataType.simpleString():
+            return False
+    return all(f.nullable or "delta.generationExpression" in f.metadata for f in have.values())
+
+
+def _covers(schema: StructType, metadata) -> bool:
+    """``schema`` has every column of the table that Delta does not generate."""
+    names = {f.name.lower() for f in schema.fields}
+    return all(n in names or "delta.generationExpression" in f.metadata
+               for n, f in _table_fields(metadata).items())
+
+
+def _txn_version(jvm, txn, app_id: str) -> int:
+    """The last version (app id) committed, from the checksum file when it lists the table's
+    transactions, else Delta's lookup (log replay)."""
+    checksum = txn.snapshot().checksumOpt()
+    if checksum.isDefined() and checksum.get().setTransactions().isDefined():
+        listed = jvm.scala.jdk.javaapi.CollectionConverters.asJava(checksum.get().setTransactions().get())
+        return max((t.version() for t in listed if t.appId() == app_id), default=-1)
+    return txn.txnVersion(app_id)
