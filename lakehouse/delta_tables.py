@@ -1,9 +1,11 @@
 """Creating and writing Delta tables with delta-spark, exactly once per streaming micro-batch.
 
 A ``foreachBatch`` function that writes several tables passes the streaming query's id and the
-batch id to every write: appends carry them as Delta's ``txnAppId`` / ``txnVersion`` writer
-options, MERGEs through the session's ``spark.databricks.delta.write.txnAppId`` /
-``txnVersion`` (the only form DML takes them in). Delta records them in the commit and skips a
+batch id to every write: writes through Delta's transaction API (``delta_txn``: appends, and
+upserts of tables whose checksum lists their files) commit them as a ``SetTransaction``, the
+DataFrame writer takes them as ``txnAppId`` / ``txnVersion`` options, MERGEs through the
+session's ``spark.databricks.delta.write.txnAppId`` / ``txnVersion`` (the only form DML takes
+them in). Delta records them in the commit and skips a
 write whose (app id, version) the table already holds, so a batch Spark replays after a crash
 writes nothing twice. The transaction state is per table: one id pair serves every table a
 batch writes.
@@ -185,7 +187,17 @@ def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, si
     at or after ``since`` have at most ``rows_per_file`` rows; past that, the rows from the
     oldest of those files on are replaced in one commit (Delta's ``replaceWhere``), written
     back sorted by ``column`` in files of at most ``rows_per_file`` rows: closed windows end up
-    in files no later batch touches. A table without file statistics on ``column`` is MERGEd."""
+    in files no later batch touches. A table without file statistics on ``column`` is MERGEd.
+
+    While the table's checksum file lists its files (``delta_txn.replace_recent``), the files
+    that may hold rows at or after ``since`` are rewritten that way at once, in two Spark jobs:
+    a small MERGE's log replay and joins cost more than rewriting a few small files."""
+    try:
+        retry_conflicts(lambda: delta_txn.replace_recent(df, path, keys, column, _aware(since), app_id,
+                                                         batch_id, rows_per_file), f"upsert into {path}")
+        return
+    except delta_txn.SlowPath:
+        pass
     table_rs = open_table(path)
     recent = _recent_files(table_rs, column, since)
     if recent is None or recent[1] <= rows_per_file:

@@ -1,4 +1,4 @@
-"""Writes through Delta's transaction API, for the two writes every micro-batch makes.
+"""Appends and upserts through Delta's transaction API, without the log replay of Delta's commands.
 
 Delta's DataFrame writer and MERGE rebuild a table's state from its log before they write: a
 Spark job per commit, which on small tables is most of the write. Each commit here reads what
@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from functools import reduce
 
 from pyspark.sql import DataFrame
@@ -57,34 +58,95 @@ def append_once(df: DataFrame, path: str, app_id: str, batch_id: int) -> None:
 def upsert_whole(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int) -> None:
     """Upsert ``df`` (one row per key, every column of the table) into a small table by
     rewriting it: its rows whose keys ``df`` lacks, plus ``df``, replace all its files in one
-    commit (an overwriting WRITE in the history). Two Spark jobs where a MERGE runs six after a log replay.
-
-    Only while the checksum file lists the table's files (Delta does so for small tables) and
-    they total at most ``WHOLE_REWRITE_MAX_BYTES``; only for rows that carry every column, as a
-    MERGE's update keeps the columns its source lacks. The whole table is read, so any commit
-    another writer makes meanwhile (compaction) conflicts, as it does with a MERGE."""
+    commit (an overwriting WRITE in the history). Two Spark jobs where a MERGE runs six after a
+    log replay. Only while the table totals at most ``WHOLE_REWRITE_MAX_BYTES``."""
     with _api(df) as jvm:
-        txn = _start(df, path)
-        if not (_fits(df.schema, txn.metadata()) and _covers(df.schema, txn.metadata())):
-            raise SlowPath
-        if _txn_version(jvm, txn, app_id) >= batch_id:
+        txn = _upsert_txn(df, path, app_id, batch_id)
+        if txn is None:
             return
-        checksum = txn.snapshot().checksumOpt()
-        if not (checksum.isDefined() and checksum.get().allFiles().isDefined()
-                and checksum.get().tableSizeBytes() <= WHOLE_REWRITE_MAX_BYTES):
+        if txn.snapshot().checksumOpt().get().tableSizeBytes() > WHOLE_REWRITE_MAX_BYTES:
             raise SlowPath
-        files = checksum.get().allFiles().get()
-        txn.readWholeTable()
-        old = DataFrame(txn.deltaLog().createDataFrame(txn.snapshot(), files, False, _none(jvm)),
-                        df.sparkSession)
-        new_keys = df.select(*keys)
-        same = reduce(lambda a, b: a & b, [old[k].eqNullSafe(new_keys[k]) for k in keys])
-        rows = (old.join(new_keys, same, "left_anti").select(*df.columns)
-                .unionByName(df).coalesce(1))
-        removes = [f.remove() for f in _java_list(jvm, files)]
-        op = jvm.org.apache.spark.sql.delta.DeltaOperations.Write(
-            jvm.org.apache.spark.sql.SaveMode.Overwrite, *[_none(jvm)] * 8)
-        _commit(jvm, txn, txn.writeFiles(rows._jdf), removes, app_id, batch_id, op)
+        files = _listed_files(jvm, txn)
+        rows = _replaced(df, keys, _read(df, txn, files)).coalesce(1)
+        _commit(jvm, txn, txn.writeFiles(rows._jdf), [f.remove() for f in files], app_id, batch_id,
+                _overwrite(jvm))
+
+
+def replace_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, since: datetime,
+                   app_id: str, batch_id: int, rows_per_file: int) -> None:
+    """Upsert ``df`` (one row per key, every column; every row's ``column`` >= ``since``) into a
+    table whose rows change only at recent ``column`` values (``delta_tables.upsert_recent``):
+    the files that may hold a row at or after ``since`` are rewritten with the batch's rows,
+    sorted by ``column`` in files of at most ``rows_per_file`` rows; older files are left alone.
+    Two Spark jobs where a MERGE runs six after a log replay. Only for files with statistics
+    on ``column``."""
+    with _api(df) as jvm:
+        txn = _upsert_txn(df, path, app_id, batch_id)
+        if txn is None:
+            return
+        recent = [f for f in _listed_files(jvm, txn) if _reaches(f, column, since)]
+        rows = _replaced(df, keys, _read(df, txn, recent)).coalesce(1).sortWithinPartitions(column)
+        conf = df.sparkSession.conf
+        conf.set("spark.sql.files.maxRecordsPerFile", str(rows_per_file))
+        try:
+            adds = txn.writeFiles(rows._jdf)
+        finally:
+            conf.unset("spark.sql.files.maxRecordsPerFile")
+        _commit(jvm, txn, adds, [f.remove() for f in recent], app_id, batch_id, _overwrite(jvm))
+
+
+def _upsert_txn(df: DataFrame, path: str, app_id: str, batch_id: int):
+    """A transaction for an upsert that rewrites files, None if the batch is committed already.
+
+    ``SlowPath`` unless the checksum file lists the table's files (Delta does so for small
+    tables) and ``df`` carries every column (a MERGE's update keeps the columns its source
+    lacks). The whole table counts as read, so any commit another writer makes meanwhile
+    (compaction, retention) conflicts, as it does with a MERGE."""
+    txn = _start(df, path)
+    metadata = txn.metadata()
+    if not (_fits(df.schema, metadata) and _covers(df.schema, metadata)):
+        raise SlowPath
+    if _txn_version(df.sparkSession._jvm, txn, app_id) >= batch_id:
+        return None
+    checksum = txn.snapshot().checksumOpt()
+    if not (checksum.isDefined() and checksum.get().allFiles().isDefined()):
+        raise SlowPath
+    txn.readWholeTable()
+    return txn
+
+
+def _listed_files(jvm, txn) -> list:
+    return _java_list(jvm, txn.snapshot().checksumOpt().get().allFiles().get())
+
+
+def _read(df: DataFrame, txn, files: list) -> DataFrame:
+    """The rows of ``files`` (AddFiles of the transaction's snapshot), in ``df``'s session."""
+    jvm = df.sparkSession._jvm
+    seq = jvm.scala.jdk.javaapi.CollectionConverters.asScala(files).toSeq()
+    return DataFrame(txn.deltaLog().createDataFrame(txn.snapshot(), seq, False, _none(jvm)), df.sparkSession)
+
+
+def _replaced(df: DataFrame, keys: Sequence[str], old: DataFrame) -> DataFrame:
+    """``old``'s rows whose keys ``df`` lacks (null-safe), then ``df``'s."""
+    new_keys = df.select(*keys)
+    same = reduce(lambda a, b: a & b, [old[k].eqNullSafe(new_keys[k]) for k in keys])
+    return old.join(new_keys, same, "left_anti").select(*df.columns).unionByName(df)
+
+
+def _reaches(add, column: str, since: datetime) -> bool:
+    """Whether the file may hold a row with ``column`` >= ``since``, by its statistics (whose
+    maximum Delta truncates to milliseconds); without them: ``SlowPath``."""
+    stats = add.stats()
+    top = json.loads(stats).get("maxValues", {}).get(column) if stats else None
+    if top is None:
+        raise SlowPath
+    return datetime.fromisoformat(top) + timedelta(milliseconds=1) > since
+
+
+def _overwrite(jvm):
+    """The operation of a commit that replaces files: an overwriting WRITE in the history."""
+    return jvm.org.apache.spark.sql.delta.DeltaOperations.Write(
+        jvm.org.apache.spark.sql.SaveMode.Overwrite, *[_none(jvm)] * 8)
 
 
 class _api:
