@@ -86,12 +86,16 @@ def replace_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, s
             return
         recent = [f for f in _listed_files(jvm, txn) if _reaches(f, column, since)]
         rows = _replaced(df, keys, _read(df, txn, recent)).coalesce(1).sortWithinPartitions(column)
-        conf = df.sparkSession.conf
-        conf.set("spark.sql.files.maxRecordsPerFile", str(rows_per_file))
+        conf, key = df.sparkSession.conf, "spark.sql.files.maxRecordsPerFile"
+        before = conf.get(key, None)
+        conf.set(key, str(rows_per_file))
         try:
             adds = txn.writeFiles(rows._jdf)
         finally:
-            conf.unset("spark.sql.files.maxRecordsPerFile")
+            if before is None:
+                conf.unset(key)
+            else:
+                conf.set(key, before)
         _commit(jvm, txn, adds, [f.remove() for f in recent], app_id, batch_id, _overwrite(jvm))
 
 

@@ -1,4 +1,4 @@
-"""Idempotent appends through delta-spark (``lakehouse.delta_tables.append``) on real tables."""
+"""Idempotent appends and upserts through delta-spark (``lakehouse.delta_tables``) on real tables."""
 
 from __future__ import annotations
 
