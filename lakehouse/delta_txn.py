@@ -23,6 +23,8 @@ from functools import reduce
 from pyspark.sql import DataFrame
 from pyspark.sql.types import StructType
 
+from lakehouse.spark import session_confs
+
 log = logging.getLogger(__name__)
 
 #: A table at most this large (bytes, per its checksum file) is rewritten whole by an upsert:
@@ -50,9 +52,7 @@ def append_once(df: DataFrame, path: str, app_id: str, batch_id: int) -> None:
             raise SlowPath
         if _txn_version(jvm, txn, app_id) >= batch_id:
             return
-        _commit(jvm, txn, txn.writeFiles(df._jdf), [], app_id, batch_id,
-                jvm.org.apache.spark.sql.delta.DeltaOperations.Write(
-                    jvm.org.apache.spark.sql.SaveMode.Append, *[_none(jvm)] * 8))
+        _commit(jvm, txn, txn.writeFiles(df._jdf), [], app_id, batch_id, _write(jvm, "Append"))
 
 
 def upsert_whole(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int) -> None:
@@ -69,7 +69,7 @@ def upsert_whole(df: DataFrame, path: str, keys: Sequence[str], app_id: str, bat
         files = _listed_files(jvm, txn)
         rows = _replaced(df, keys, _read(df, txn, files)).coalesce(1)
         _commit(jvm, txn, txn.writeFiles(rows._jdf), [f.remove() for f in files], app_id, batch_id,
-                _overwrite(jvm))
+                _write(jvm, "Overwrite"))
 
 
 def replace_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, since: datetime,
@@ -86,17 +86,9 @@ def replace_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, s
             return
         recent = [f for f in _listed_files(jvm, txn) if _reaches(f, column, since)]
         rows = _replaced(df, keys, _read(df, txn, recent)).coalesce(1).sortWithinPartitions(column)
-        conf, key = df.sparkSession.conf, "spark.sql.files.maxRecordsPerFile"
-        before = conf.get(key, None)
-        conf.set(key, str(rows_per_file))
-        try:
+        with session_confs(df.sparkSession, {"spark.sql.files.maxRecordsPerFile": str(rows_per_file)}):
             adds = txn.writeFiles(rows._jdf)
-        finally:
-            if before is None:
-                conf.unset(key)
-            else:
-                conf.set(key, before)
-        _commit(jvm, txn, adds, [f.remove() for f in recent], app_id, batch_id, _overwrite(jvm))
+        _commit(jvm, txn, adds, [f.remove() for f in recent], app_id, batch_id, _write(jvm, "Overwrite"))
 
 
 def _upsert_txn(df: DataFrame, path: str, app_id: str, batch_id: int):
@@ -147,10 +139,11 @@ def _reaches(add, column: str, since: datetime) -> bool:
     return datetime.fromisoformat(top) + timedelta(milliseconds=1) > since
 
 
-def _overwrite(jvm):
-    """The operation of a commit that replaces files: an overwriting WRITE in the history."""
+def _write(jvm, mode: str):
+    """The operation a commit records: a WRITE in the history, appending or (files replaced)
+    overwriting."""
     return jvm.org.apache.spark.sql.delta.DeltaOperations.Write(
-        jvm.org.apache.spark.sql.SaveMode.Overwrite, *[_none(jvm)] * 8)
+        getattr(jvm.org.apache.spark.sql.SaveMode, mode), *[_none(jvm)] * 8)
 
 
 class _api:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -99,6 +101,22 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         ship_packages(spark)
     return spark
 
+
+
+@contextmanager
+def session_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
+    """Session confs for one operation, then back to what they were."""
+    old = {k: spark.conf.get(k, None) for k in confs}
+    for k, v in confs.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
 
 #: Spark loggers whose WARN lines are routine here: "Current batch is falling behind" once per
 #: micro-batch longer than its trigger (on 2 cores, most of them; batch durations and lag are in

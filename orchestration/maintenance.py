@@ -19,8 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from lakehouse.delta_read import open_table, partition_minutes, table_exists
 from lakehouse.delta_tables import retry_conflicts
 from lakehouse.settings import MIN_RETENTION_HOURS, Settings
+from lakehouse.spark import session_confs
 from lakehouse.tables import (
     PARTITION_COLUMN,
     RETENTION_COLUMNS,
@@ -92,22 +92,6 @@ def _retry(op: Callable[[], T], what: str) -> T:
     return retry_conflicts(op, what)
 
 
-@contextmanager
-def _confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
-    """Session confs for one operation, then back to what they were."""
-    old = {k: spark.conf.get(k, None) for k in confs}
-    for k, v in confs.items():
-        spark.conf.set(k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                spark.conf.unset(k)
-            else:
-                spark.conf.set(k, v)
-
-
 def _files(path: str) -> dict[str, int]:
     """Current data files -> size (delta-rs: no Spark job for it)."""
     adds = open_table(path).get_add_actions(flatten=True)
@@ -127,7 +111,7 @@ def _compact_table(spark: SparkSession, path: str, table: str, target_size: int,
     mode = "zorder" if cols and len(small) > 1 and sum(small) >= ZORDER_MIN_FRACTION * sum(sizes) \
         else "compact"
     # files below minFileSize are candidates; bins are filled up to maxFileSize
-    with _confs(spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_size),
+    with session_confs(spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_size),
                         "spark.databricks.delta.optimize.minFileSize": str(max(1, small_size))}):
         opt = DeltaTable.forPath(spark, path).optimize()
         result = opt.executeZOrderBy(*cols) if mode == "zorder" and cols else opt.executeCompaction()
@@ -259,7 +243,7 @@ def vacuum(settings: Settings, tables: list[str] | None = None, retention_hours:
                  str(max(2, spark.sparkContext.defaultParallelism))}
         sql = f"VACUUM {_quoted(path)}{' RETAIN 0 HOURS' if forced else ''}{' LITE' if lite else ''}"
         listed = None
-        with _confs(spark, confs):
+        with session_confs(spark, confs):
             if dry_run or not lite:
                 listed = _retry(lambda s=sql, sp=spark: [r[0] for r in sp.sql(s + " DRY RUN").collect()],
                                 f"vacuum {table}")

@@ -147,7 +147,6 @@ def test_upsert_recent_rewrites_only_the_files_of_recent_windows(spark, tmp_path
     assert all(h <= nxt for h, nxt in zip(hi, lo[1:], strict=False))
 
 
-
 def test_upsert_recent_rewrites_the_recent_files_through_the_transaction_api(spark, tmp_path: Path) -> None:
     """A table whose checksum lists its files: each upsert rewrites the files that may hold
     windows at or after ``since`` with the batch's rows, sorted into files of at most
@@ -188,6 +187,7 @@ def test_upsert_recent_rewrites_the_recent_files_through_the_transaction_api(spa
     assert DeltaTable(path).version() == version
     assert [h["operation"] for h in DeltaTable(path).history(2)] == ["WRITE", "WRITE"]
     assert delta_txn.enabled
+
 
 def metric_windows(spark, minutes: range):
     """``gold_metrics_*`` rows of device d1's metric m, one per minute of 2026-11-26 10:xx."""

@@ -331,14 +331,10 @@ def expire_log(spark, path: str) -> Path:
 def checkpoint_every_10(spark):
     """Tables created meanwhile take Delta's own log checkpoint interval (iotlake's is
     ``maintenance.log_checkpoint_commits``): checkpoints at versions 10 and 20."""
-    key = "spark.databricks.delta.properties.defaults.checkpointInterval"
-    before = spark.conf.get(key, None)
-    spark.conf.set(key, "10")
-    yield
-    if before is None:
-        spark.conf.unset(key)
-    else:
-        spark.conf.set(key, before)
+    from lakehouse.spark import session_confs
+
+    with session_confs(spark, {"spark.databricks.delta.properties.defaults.checkpointInterval": "10"}):
+        yield
 
 
 def test_clean_log_keeps_what_a_lagging_stream_has_yet_to_read(tmp_path: Path, spark,
