@@ -6,7 +6,9 @@ every 10 s of event time; a few spikes, low batteries and errors) into a silver 
 ``availableNow`` and ``gold.max_files_per_trigger`` (``--max-files``; the default 1 makes every
 commit one micro-batch): the health stream alone, the window stream alone, then both at once. State size comes from the last
 progress' ``stateOperators`` (RocksDB). ``--scaling`` repeats the health run at other device
-counts with the same number of readings. Last line: one JSON object.
+counts with the same number of readings. The session is a batch process's, as `iotlake backfill`
+runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). Last line: one
+JSON object.
 
     .venv/bin/python bench/gold_throughput.py [--devices 10000] [--readings 1000000]
         [--commits 10] [--max-files 1] [--scaling 1000,100000] [--skip-windows]
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         args.devices, args.readings, args.commits, args.scaling = 20, 2_000, 2, ""
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
     conf = dict(c.split("=", 1) for c in args.conf)
-    spark = spark_session(settings_for(root / "spark", args.max_files, conf), app_name="iotlake-gold-bench")
+    spark = spark_session(settings_for(root / "spark", args.max_files, conf), app_name="iotlake-gold-bench",
+                          batch=True)
     try:
         load0 = os.getloadavg()
         main_run = bench_devices(spark, root, args.devices, args, windows=not args.skip_windows)
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                 "state_memory_mb", "rocksdbTotalSizeOnDisk_mb", "rocksdbSstFileSize_mb")}
                 for d, r in scaling.items()},
             "load_avg_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
-            "cores": os.cpu_count(),
+            "cores": os.cpu_count(), "codegen": spark.conf.get("spark.sql.codegen.factoryMode"),
         }
         print(json.dumps(result))
     finally:

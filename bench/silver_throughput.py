@@ -6,7 +6,9 @@ twice in one Spark session (fresh checkpoints, trigger available_now), after bot
 the JVM up on a small separate bronze table (so neither profits from running second). Steady
 state: the sum of numInputRows over the sum of durationMs.triggerExecution of every batch after
 the first (the first pays state store creation). Each run's quality-log counters are checked
-against the generated data to the row. Last line: one JSON object.
+against the generated data to the row. The session is a batch process's, as `iotlake backfill`
+runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). Last line: one
+JSON object.
 
     .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--files-per-batch 2]
 
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         # at least two micro-batches, so the warm-up has a steady part too
         build_bronze(warm, min(args.rows, 2 * args.rows // args.commits), 2 * args.files_per_batch,
                      seed=1, model=model)
-        spark = spark_session(settings("spark"), app_name="iotlake-silver-bench")
+        spark = spark_session(settings("spark"), app_name="iotlake-silver-bench", batch=True)
         for validate in () if args.smoke else (True, False):  # a smoke run measures nothing
             run_silver(spark, settings(f"warm_{validate}"), warm, validate)
         runs = {}
@@ -360,12 +362,13 @@ def main(argv: list[str] | None = None) -> None:
             else:  # without the suite only unparseable rows are quarantined
                 assert got["rows_in"] == expected["rows_in"] and got["duplicates"] == expected["duplicates"], got
             print(name, json.dumps(runs[name]), flush=True)
+        codegen = spark.conf.get("spark.sql.codegen.factoryMode")
         spark.stop()
         with_v, without = runs["with_validation"]["rows_per_s"], runs["without"]["rows_per_s"]
         print(json.dumps({"bronze_build_s": round(built, 1), "files_per_batch": args.files_per_batch,
                           "shuffle_partitions": args.shuffle_partitions, "conf": args.conf,
                           "load_avg_1m": os.getloadavg()[0]}))
-        print(json.dumps({"rows": args.rows, "profile": args.profile,
+        print(json.dumps({"rows": args.rows, "profile": args.profile, "codegen": codegen,
                           "rows_per_s_with_validation": round(with_v),
                           "rows_per_s_without": round(without),
                           "overhead_ratio": round(without / with_v, 3),

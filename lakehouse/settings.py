@@ -168,10 +168,13 @@ class SparkSettings(_Section):
     class_data_sharing: bool = True
     # Spark compiles the expressions of every task (projections, orderings: Java source built,
     # cleaned with regexes, looked up or compiled by Janino) even when the compiled class is
-    # cached: small micro-batches never earn that back. false: every plan runs interpreted
-    # (Spark's NO_CODEGEN also turns whole-stage code generation off). docs/benchmarks.md,
-    # sessions 14 and 30.
-    expression_codegen: bool = False
+    # cached: a live pipeline's small micro-batches never earn that back, while the large
+    # batches of a catch-up run per-row code that compiled code runs faster. "batch": compiled
+    # in the processes that run batch work (backfill, reprocess, SQL, maintenance), interpreted
+    # in the streams; "on" / "off" (true / false): everywhere. Interpreted means Spark's
+    # NO_CODEGEN, which turns whole-stage code generation off too. docs/benchmarks.md,
+    # sessions 14, 30 and 41.
+    expression_codegen: Literal["batch", "on", "off"] = "batch"
     # glibc malloc arenas of the driver JVM (MALLOC_ARENA_MAX; 0: glibc's default, up to 8 per
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
     # growing over hours (docs/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
@@ -182,6 +185,13 @@ class SparkSettings(_Section):
     # growing (docs/benchmarks.md, session 24: an hour at 1,000 events/s used 125 MB).
     code_cache_mb: int = Field(144, ge=0)
     conf: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("expression_codegen", mode="before")
+    @classmethod
+    def _codegen_switch(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("true", "false")):
+            return "on" if str(v).lower() == "true" else "off"  # the setting was a boolean once
+        return v
 
     @field_validator("driver_memory")
     @classmethod

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 from lakehouse import jars, storage
@@ -20,8 +21,19 @@ from lakehouse.settings import Settings
 FAIR_POOLS = Path(__file__).with_name("fairscheduler.xml")
 
 
-def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession:
+def codegen_factory_mode(settings: Settings, batch: bool) -> str:
+    """Spark's expression factory mode for a process that runs batch work (``batch``: large
+    batches, compiled code pays) or live streams (small batches: interpreted)."""
+    mode = settings.spark.expression_codegen
+    return "FALLBACK" if mode == "on" or (mode == "batch" and batch) else "NO_CODEGEN"
+
+
+def spark_session(settings: Settings, app_name: str = "iotlake", batch: bool = False) -> SparkSession:
     """Create (or reuse) the session. Workers run this venv's Python so they find pyarrow.
+
+    ``batch``: the process runs batch work (a backfill, a reprocess, SQL, maintenance); it
+    decides ``spark.expression_codegen = "batch"`` when the session is created, and a reused
+    session keeps the mode it was created with.
 
     With a cluster master (``spark://``, ``k8s://``, ``yarn``) iotlake's packages are shipped to
     the executors (``lakehouse.deploy``); executors need the same Python and dependencies.
@@ -83,8 +95,8 @@ def spark_session(settings: Settings, app_name: str = "iotlake") -> SparkSession
         # read; Delta's own clean-up at log checkpoints does not know the streams
         .config("spark.databricks.delta.properties.defaults.enableExpiredLogCleanup", "false")
     )
-    if not settings.spark.expression_codegen:
-        b = b.config("spark.sql.codegen.factoryMode", "NO_CODEGEN")
+    if SparkContext._active_spark_context is None:  # a session of this process keeps its mode
+        b = b.config("spark.sql.codegen.factoryMode", codegen_factory_mode(settings, batch))
     if settings.spark.fair_pools:
         b = (b.config("spark.scheduler.mode", "FAIR")
              .config("spark.scheduler.allocation.file", str(FAIR_POOLS)))

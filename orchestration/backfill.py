@@ -192,7 +192,7 @@ def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
                 log.info("backfill %s: nothing to do", step)
                 done.update(dict.fromkeys(written, 0))
                 continue
-            spark = spark or spark_session(settings, app_name="iotlake-backfill")
+            spark = spark or spark_session(settings, app_name="iotlake-backfill", batch=True)
             todo = rows_to_do(settings, step)
             log.info("backfill %s: %d rows to do", step, todo)
             started = ("bronze", "silver") if step == "bronze_silver" else written

@@ -65,7 +65,7 @@ def session(settings: Settings) -> SparkSession:
 
     from lakehouse.spark import spark_session
 
-    return SparkSession.getActiveSession() or spark_session(settings, app_name="iotlake-maintenance")
+    return SparkSession.getActiveSession() or spark_session(settings, app_name="iotlake-maintenance", batch=True)
 
 
 def resolve_tables(settings: Settings, tables: Iterable[str] | None = None) -> list[str]:

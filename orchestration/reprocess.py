@@ -122,7 +122,7 @@ def _build(target: Settings, bronze_version: int) -> None:
     if caught_up(target, "silver", bronze_version) and caught_up(target, "gold"):
         log.info("generation already built from bronze version %d", bronze_version)
         return  # a rerun: no Spark for nothing
-    spark = spark_session(target, app_name="iotlake-reprocess")
+    spark = spark_session(target, app_name="iotlake-reprocess", batch=True)
     for start in (lambda: silver.stream.start(spark, target, trigger="available_now",
                                               bronze_ending_version=bronze_version),
                   lambda: gold.windows.start(spark, target, trigger="available_now"),

@@ -218,7 +218,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             print(f"iotlake sql: cannot read {args.file}: {e.strerror}", file=sys.stderr)
             return 2
     with _stdout_to_stderr():
-        spark = spark_session(settings, app_name="iotlake-sql")
+        spark = spark_session(settings, app_name="iotlake-sql", batch=True)
     try:
         if text is not None:
             return execute(spark, settings, text, args.as_of_version, args.as_of_timestamp,

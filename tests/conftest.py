@@ -25,6 +25,10 @@ from orchestration.services import embedded_services  # noqa: E402
 # tiered default.
 C1_ONLY = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 os.environ.setdefault("JAVA_TOOL_OPTIONS", C1_ONLY)
+# For the same reason their Spark sessions interpret expressions, the batch processes' too (CLI
+# backfills, Airflow's tasks): compiling them pays only over large batches (a C1 JVM backfilling
+# 500 rows took 47-51 CPU-s interpreted, 54-62 compiled; docs/benchmarks.md, session 30).
+os.environ.setdefault("IOTLAKE_SPARK__EXPRESSION_CODEGEN", "off")
 
 _main = sys.modules["__main__"]
 if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
@@ -98,7 +102,7 @@ def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
 
 @pytest.fixture(scope="session")
 def spark(base_dir: Path):
-    from lakehouse.spark import spark_session
+    from lakehouse.spark import codegen_factory_mode, spark_session
 
     s = load_settings(environ={}, data_root=str(base_dir / "spark"),
                       spark={"master": "local[2]", "shuffle_partitions": 2})
@@ -112,6 +116,9 @@ def spark(base_dir: Path):
     finally:
         if tool is not None:
             os.environ["JAVA_TOOL_OPTIONS"] = tool
+    # interpreted, as a streams process: a test that ran first may have started this process's
+    # session as a batch process's (the chaos run's compaction)
+    session.conf.set("spark.sql.codegen.factoryMode", codegen_factory_mode(s, batch=False))
     yield session
     session.stop()
 

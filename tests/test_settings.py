@@ -197,14 +197,27 @@ def test_a_checkpoint_keeps_only_the_configured_batches(spark, tmp_path: Path) -
         assert ids[0] > 0 and len(ids) <= batches + 1, (log_dir, ids)
 
 
-def test_expressions_are_interpreted_unless_the_setting_asks_for_codegen(spark) -> None:
-    """``spark.expression_codegen`` (default false) is Spark's expression factory mode; a query
-    gives the same rows either way."""
+def test_expressions_are_compiled_in_batch_processes_and_interpreted_in_streams(spark) -> None:
+    """``spark.expression_codegen`` (default "batch") is Spark's expression factory mode:
+    compiled for the sessions of batch processes, interpreted for the streams'; "on" / "off"
+    (or the booleans the setting once was) everywhere; anything else fails naming the choices.
+    A session that exists keeps its mode. A query gives the same rows either way."""
     from lakehouse.settings import load_settings
+    from lakehouse.spark import codegen_factory_mode, spark_session
 
+    assert spark.conf.get("spark.sql.codegen.factoryMode") == "NO_CODEGEN"  # the suite's: streams'
+    modes = {}
+    for value in (None, "on", "off", "true", "false", "batch"):
+        s = load_settings(environ={"IOTLAKE_SPARK__EXPRESSION_CODEGEN": value} if value else {})
+        modes[value] = (s.spark.expression_codegen, codegen_factory_mode(s, batch=True),
+                        codegen_factory_mode(s, batch=False))
+    assert modes == {None: ("batch", "FALLBACK", "NO_CODEGEN"), "batch": ("batch", "FALLBACK", "NO_CODEGEN"),
+                     "on": ("on", "FALLBACK", "FALLBACK"), "true": ("on", "FALLBACK", "FALLBACK"),
+                     "off": ("off", "NO_CODEGEN", "NO_CODEGEN"), "false": ("off", "NO_CODEGEN", "NO_CODEGEN")}
+    with pytest.raises(SettingsError, match=r"spark.expression_codegen.*'batch', 'on' or 'off'"):
+        load_settings(environ={"IOTLAKE_SPARK__EXPRESSION_CODEGEN": "sometimes"})
+    assert spark_session(load_settings(environ={}), batch=True) is spark  # reused, mode kept
     assert spark.conf.get("spark.sql.codegen.factoryMode") == "NO_CODEGEN"
-    assert load_settings(environ={}).spark.expression_codegen is False
-    assert load_settings(environ={"IOTLAKE_SPARK__EXPRESSION_CODEGEN": "true"}).spark.expression_codegen
     df = spark.range(1000).selectExpr("id % 7 AS k", "id * 1.5 AS v").groupBy("k").sum("v").orderBy("k")
     interpreted = [tuple(r) for r in df.collect()]
     spark.conf.set("spark.sql.codegen.factoryMode", "FALLBACK")
