@@ -23,10 +23,12 @@ from orchestration.services import free_port, mosquitto_service
 
 
 @pytest.mark.slow
-def test_chaos_kills_and_broker_outages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_chaos_kills_and_broker_outages(tmp_path: Path, capsys: pytest.CaptureFixture[str], spark) -> None:
     """``bench/chaos.py --smoke`` (so the bench cannot rot): 3 kill -9s (bridge, whole run,
     bridge), one Mosquitto and one Kafka stop/start and one compaction (bronze, silver, a gold
-    MERGE target) under steady load.
+    MERGE target) under steady load. The compaction runs in this process, on the worker's own
+    session (``spark``): started here, it would be a short-lived JVM's (C1 only, a batch
+    process's mode) that the worker's later tests then share.
 
     Event time runs 20x faster than the clock, so a one-minute run closes windows under the 10 min
     watermark and the final-window tables are checked with rows in them."""
