@@ -116,8 +116,8 @@ def spark(base_dir: Path):
     finally:
         if tool is not None:
             os.environ["JAVA_TOOL_OPTIONS"] = tool
-    # interpreted, as a streams process: a test that ran first may have started this process's
-    # session as a batch process's (the chaos run's compaction)
+    # interpreted, as a streams process, even if a test's batch command (a compaction, a
+    # backfill) started this process's session before any test asked for this fixture
     session.conf.set("spark.sql.codegen.factoryMode", codegen_factory_mode(s, batch=False))
     yield session
     session.stop()
