@@ -30,6 +30,7 @@ from pyspark.sql.types import StructType
 from lakehouse import delta_txn
 from lakehouse.delta_read import open_table, table_exists
 from lakehouse.settings import Settings
+from lakehouse.spark import session_confs
 from lakehouse.tables import STATS_COLUMNS_PROPERTY, stats_columns, time_partitioning
 
 log = logging.getLogger(__name__)
@@ -122,12 +123,9 @@ def append(df: DataFrame, path: str, app_id: str, batch_id: int, schema_evolutio
 
     A plain append (no schema change) commits through Delta's transaction API
     (``delta_txn.append_once``); anything else through the DataFrame writer."""
-    if not schema_evolution:
-        try:
-            retry_conflicts(lambda: delta_txn.append_once(df, path, app_id, batch_id), f"append to {path}")
-            return
-        except delta_txn.SlowPath:
-            pass
+    if not schema_evolution and _committed(lambda: delta_txn.append_once(df, path, app_id, batch_id),
+                                           f"append to {path}"):
+        return
     w = (df.write.format("delta").mode("append")
          .option("txnAppId", app_id).option("txnVersion", str(batch_id)))
     if schema_evolution:
@@ -150,13 +148,9 @@ def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id:
     without the log replay and joins of a MERGE."""
     from delta.tables import DeltaTable
 
-    if when_newer is None and within is None:
-        try:
-            retry_conflicts(lambda: delta_txn.upsert_whole(df, path, keys, app_id, batch_id),
-                            f"upsert into {path}")
-            return
-        except delta_txn.SlowPath:
-            pass
+    if when_newer is None and within is None and _committed(
+            lambda: delta_txn.upsert_whole(df, path, keys, app_id, batch_id), f"upsert into {path}"):
+        return
 
     on = " AND ".join(f"t.`{k}` <=> s.`{k}`" for k in keys)
     if within:
@@ -192,12 +186,9 @@ def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, si
     While the table's checksum file lists its files (``delta_txn.replace_recent``), the files
     that may hold rows at or after ``since`` are rewritten that way at once, in two Spark jobs:
     a small MERGE's log replay and joins cost more than rewriting a few small files."""
-    try:
-        retry_conflicts(lambda: delta_txn.replace_recent(df, path, keys, column, _aware(since), app_id,
-                                                         batch_id, rows_per_file), f"upsert into {path}")
+    if _committed(lambda: delta_txn.replace_recent(df, path, keys, column, _aware(since), app_id,
+                                                   batch_id, rows_per_file), f"upsert into {path}"):
         return
-    except delta_txn.SlowPath:
-        pass
     table_rs = open_table(path)
     recent = _recent_files(table_rs, column, since)
     if recent is None or recent[1] <= rows_per_file:
@@ -256,14 +247,19 @@ def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T
     ``spark`` must be the micro-batch's own session (``df.sparkSession`` in foreachBatch): each
     streaming query runs in a session clone, so queries in other threads never see these confs.
     """
-    conf = spark.conf
-    conf.set("spark.databricks.delta.write.txnAppId", app_id)
-    conf.set("spark.databricks.delta.write.txnVersion", str(batch_id))
-    try:
+    with session_confs(spark, {"spark.databricks.delta.write.txnAppId": app_id,
+                               "spark.databricks.delta.write.txnVersion": str(batch_id)}):
         return fn()
-    finally:
-        conf.unset("spark.databricks.delta.write.txnAppId")
-        conf.unset("spark.databricks.delta.write.txnVersion")
+
+
+def _committed(write: Callable[[], None], what: str) -> bool:
+    """Run a ``delta_txn`` write (conflicts retried); False if it does not apply
+    (``SlowPath``), for the caller to write through Delta's commands instead."""
+    try:
+        retry_conflicts(write, what)
+        return True
+    except delta_txn.SlowPath:
+        return False
 
 
 def retry_conflicts(fn: Callable[[], T], what: str, attempts: int = 20) -> T:

@@ -114,7 +114,6 @@ def spark_session(settings: Settings, app_name: str = "iotlake", batch: bool = F
     return spark
 
 
-
 @contextmanager
 def session_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
     """Session confs for one operation, then back to what they were."""
@@ -129,6 +128,7 @@ def session_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
                 spark.conf.unset(k)
             else:
                 spark.conf.set(k, v)
+
 
 #: Spark loggers whose WARN lines are routine here: "Current batch is falling behind" once per
 #: micro-batch longer than its trigger (on 2 cores, most of them; batch durations and lag are in

@@ -112,7 +112,7 @@ def _compact_table(spark: SparkSession, path: str, table: str, target_size: int,
         else "compact"
     # files below minFileSize are candidates; bins are filled up to maxFileSize
     with session_confs(spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_size),
-                        "spark.databricks.delta.optimize.minFileSize": str(max(1, small_size))}):
+                               "spark.databricks.delta.optimize.minFileSize": str(max(1, small_size))}):
         opt = DeltaTable.forPath(spark, path).optimize()
         result = opt.executeZOrderBy(*cols) if mode == "zorder" and cols else opt.executeCompaction()
     row = result.collect()[0].asDict(recursive=True)
