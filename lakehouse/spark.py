@@ -67,6 +67,11 @@ def spark_session(settings: Settings, app_name: str = "iotlake", batch: bool = F
         # sends to a Python worker (gold's state function); maxRecordsPerBatch still caps batches
         .config("spark.sql.execution.arrow.maxBytesPerBatch", "2147483647")
         .config("spark.sql.adaptive.enabled", "false")
+        # compiled plans Spark keeps (default 100): iotlake's queries generate more distinct
+        # classes than that (silver's parse and checks, gold's streams, their writes), and the
+        # least recently used of a cyclic set is always the next one needed, so every
+        # micro-batch compiled its classes again (docs/benchmarks.md, session 42)
+        .config("spark.sql.codegen.cache.maxEntries", "1000")
         .config("spark.ui.showConsoleProgress", "false")
         # pandas 2.x warns at every applyInPandasWithState batch (gold health) about a concat
         # inside pyspark's own worker and serializer, not our code: a line per batch in the log

@@ -228,6 +228,30 @@ def test_expressions_are_compiled_in_batch_processes_and_interpreted_in_streams(
     assert interpreted[0] == (0, sum(i * 1.5 for i in range(0, 1000, 7)))
 
 
+def test_compiled_plans_stay_cached_past_a_hundred_others(spark) -> None:
+    """The session keeps 1,000 compiled plans, not Spark's 100: a plan run again after 150
+    other distinct ones is not compiled again (with 100, a cyclic set of more plans than that
+    compiled every one of them every time)."""
+    compiled = spark._jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()
+
+    def plan(i: int) -> list:
+        return spark.range(3).selectExpr(f"id * {i} + {i} AS v").collect()
+
+    assert spark.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
+    spark.conf.set("spark.sql.codegen.factoryMode", "FALLBACK")
+    try:
+        first = compiled.getCount()
+        assert [r.v for r in plan(100_003)] == [100_003, 200_006, 300_009]
+        assert compiled.getCount() > first  # it was compiled: the check below means something
+        for i in range(150):
+            plan(200_000 + i)
+        again = compiled.getCount()
+        plan(100_003)
+        assert compiled.getCount() == again
+    finally:
+        spark.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
+
+
 def test_maintenance_retentions(spark, tmp_path: Path) -> None:
     """Retentions below an hour need ``allow_short_retention``, and the log's must cover
     vacuum's (Delta's rule); the tables iotlake creates carry both as Delta properties and leave
