@@ -168,12 +168,12 @@ class SparkSettings(_Section):
     class_data_sharing: bool = True
     # Spark compiles the expressions of every task (projections, orderings: Java source built,
     # cleaned with regexes, looked up or compiled by Janino) even when the compiled class is
-    # cached: a live pipeline's small micro-batches never earn that back, while the large
+    # cached: a live pipeline's small micro-batches do not earn that back, while the large
     # batches of a catch-up run per-row code that compiled code runs faster. "batch": compiled
     # in the processes that run batch work (backfill, reprocess, SQL, maintenance), interpreted
     # in the streams; "on" / "off" (true / false): everywhere. Interpreted means Spark's
     # NO_CODEGEN, which turns whole-stage code generation off too. docs/benchmarks.md,
-    # sessions 14, 30 and 41.
+    # sessions 14, 30, 41 and 42.
     expression_codegen: Literal["batch", "on", "off"] = "batch"
     # glibc malloc arenas of the driver JVM (MALLOC_ARENA_MAX; 0: glibc's default, up to 8 per
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
