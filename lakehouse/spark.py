@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pyarrow as pa
 from pyspark import SparkContext
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from lakehouse import jars, storage
 from lakehouse.deploy import is_local, ship_packages
@@ -133,6 +134,23 @@ def session_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
                 spark.conf.unset(k)
             else:
                 spark.conf.set(k, v)
+
+
+#: Rows from which a driver-side Arrow table goes to Spark as Arrow batches (``arrow_frame``).
+ARROW_RDD_ROWS = 20_000
+
+
+def arrow_frame(spark: SparkSession, table: pa.Table) -> DataFrame:
+    """A DataFrame of an Arrow table the driver holds. pyspark turns a table under
+    ``spark.sql.execution.arrow.localRelationThreshold`` (48 MB) into rows in the driver, in one
+    thread: ~2.5 s for a 400,000-row silver batch (docs/benchmarks.md, session 42). A large
+    table goes to the tasks as Arrow batches instead, which convert them in parallel,
+    coalesced to as many tasks (files, when written) as a local relation would have."""
+    if table.num_rows < ARROW_RDD_ROWS:
+        return spark.createDataFrame(table)
+    with session_confs(spark, {"spark.sql.execution.arrow.localRelationThreshold": "0"}):
+        df = spark.createDataFrame(table)
+    return df.coalesce(spark.sparkContext.defaultParallelism)  # never more than it has
 
 
 #: Spark loggers whose WARN lines are routine here: "Current batch is falling behind" once per

@@ -36,6 +36,7 @@ from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
+from lakehouse.spark import arrow_frame
 from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
@@ -254,7 +255,7 @@ class SilverBatchWriter:
         for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine),
                            (QUALITY_TABLE, self._quality(batch_id, now, out, reasons))):
             if data.num_rows:
-                delta_tables.append(spark.createDataFrame(data), self.paths[name], self.app_id, batch_id)
+                delta_tables.append(arrow_frame(spark, data), self.paths[name], self.app_id, batch_id)
         if added is not None:
             self.index.commit(batch_id, added)
             note_batch(self.app_id, batch_id, state_rows=len(self.index),

@@ -323,3 +323,29 @@ def test_a_compaction_during_a_whole_table_upsert_is_retried(spark, current: str
     assert dict(zip(got.column("device_id").to_pylist(), got.column("v").to_pylist(), strict=True)) == {
         "d0": 0.0, "d1": 1.0, "d2": 12.0, "d3": 13.0}
     assert [h["operation"] for h in DeltaTable(current).history(2)] == ["WRITE", "OPTIMIZE"]
+
+
+def test_a_large_arrow_table_is_converted_by_the_tasks_in_as_many_files(spark, tmp_path: Path) -> None:
+    """``arrow_frame``: a small table becomes a local relation as pyspark makes it; a large one
+    reaches the tasks as Arrow batches (not rows built by the driver), coalesced to the
+    session's parallelism: the same rows, written in as many files as a local relation gives."""
+    from lakehouse.spark import ARROW_RDD_ROWS, arrow_frame
+
+    def plan(df) -> str:
+        return df._jdf.queryExecution().optimizedPlan().toString()
+
+    small = pa.table({"id": pa.array(range(100), pa.int64())})
+    assert "LocalRelation" in plan(arrow_frame(spark, small))
+    n = ARROW_RDD_ROWS + 30_001  # several of pyspark's Arrow batches (10,000 rows each)
+    large = pa.table({"id": pa.array(range(n), pa.int64()),
+                      "name": pa.array([f"d-{i % 97}" for i in range(n)])})
+    df = arrow_frame(spark, large)
+    assert "LocalRelation" not in plan(df)
+    assert spark.conf.get("spark.sql.execution.arrow.localRelationThreshold") != "0"  # restored
+    path = str(tmp_path / "t")
+    delta_tables.append(df, path, "arrow-test", 0)
+    dt = DeltaTable(path)
+    assert len(dt.file_uris()) == spark.sparkContext.defaultParallelism
+    got = dt.to_pyarrow_table().sort_by("id")
+    assert got.column("id").to_pylist() == list(range(n))
+    assert got.column("name").to_pylist() == [f"d-{i % 97}" for i in range(n)]
