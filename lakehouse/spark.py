@@ -143,9 +143,9 @@ ARROW_RDD_ROWS = 20_000
 def arrow_frame(spark: SparkSession, table: pa.Table) -> DataFrame:
     """A DataFrame of an Arrow table the driver holds. pyspark turns a table under
     ``spark.sql.execution.arrow.localRelationThreshold`` (48 MB) into rows in the driver, in one
-    thread: ~2.5 s for a 400,000-row silver batch (docs/benchmarks.md, session 42). A large
-    table goes to the tasks as Arrow batches instead, which convert them in parallel,
-    coalesced to as many tasks (files, when written) as a local relation would have."""
+    thread (seconds for a large silver batch: docs/benchmarks.md, session 42). A large table
+    goes to the tasks as Arrow batches instead, which convert them in parallel, coalesced to
+    as many tasks (files, when written) as a local relation would have."""
     if table.num_rows < ARROW_RDD_ROWS:
         return spark.createDataFrame(table)
     with session_confs(spark, {"spark.sql.execution.arrow.localRelationThreshold": "0"}):
