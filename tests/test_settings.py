@@ -237,9 +237,10 @@ def test_compiled_plans_stay_cached_past_a_hundred_others(spark) -> None:
     def plan(i: int) -> list:
         return spark.range(3).selectExpr(f"id * {i} + {i} AS v").collect()
 
+    from lakehouse.spark import session_confs
+
     assert spark.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
-    spark.conf.set("spark.sql.codegen.factoryMode", "FALLBACK")
-    try:
+    with session_confs(spark, {"spark.sql.codegen.factoryMode": "FALLBACK"}):
         first = compiled.getCount()
         assert [r.v for r in plan(100_003)] == [100_003, 200_006, 300_009]
         assert compiled.getCount() > first  # it was compiled: the check below means something
@@ -248,8 +249,6 @@ def test_compiled_plans_stay_cached_past_a_hundred_others(spark) -> None:
         again = compiled.getCount()
         plan(100_003)
         assert compiled.getCount() == again
-    finally:
-        spark.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
 
 
 def test_maintenance_retentions(spark, tmp_path: Path) -> None:
