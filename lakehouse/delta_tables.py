@@ -31,7 +31,7 @@ from lakehouse import delta_txn
 from lakehouse.delta_read import open_table, table_exists
 from lakehouse.settings import Settings
 from lakehouse.spark import session_confs
-from lakehouse.tables import STATS_COLUMNS_PROPERTY, stats_columns, time_partitioning
+from lakehouse.tables import STATS_COLUMNS_PROPERTY, column_properties, time_partitioning
 
 log = logging.getLogger(__name__)
 
@@ -76,32 +76,37 @@ def ensure_named_table(spark: SparkSession, settings: Settings, table: str,
                        schema: pa.Schema | StructType, generated: bool = True) -> None:
     """``ensure_table`` for one of the lakehouse's tables at its place under ``settings``: a
     table retention can expire is partitioned by the time bucket of its retention column
-    (``generated=False``: its writer computes the bucket), with statistics on the columns in
-    ``tables.STATS_COLUMNS``. A table created before iotlake chose them gets them once."""
+    (``generated=False``: its writer computes the bucket), with the column properties of
+    ``tables.column_properties``. A table created before iotlake chose one gets it once."""
     path = settings.table_path(table)
-    stats = stats_columns(table, settings.telemetry)
-    if stats and table_exists(path):
-        _add_stats_columns(spark, path, stats)
+    props = column_properties(table, settings.telemetry)
+    if table_exists(path):
+        if props:
+            _add_column_properties(spark, path, props)
         return
     part = time_partitioning(table, settings.maintenance.partition_minutes, generated)
-    stats_prop = {STATS_COLUMNS_PROPERTY: ",".join(stats)} if stats else {}
     ensure_table(spark, path, schema, partition_by=part.get("partition_by", ()),
                  generated=part.get("generated"), extra_columns=part.get("extra_columns"),
-                 properties={**part.get("properties", {}), **stats_prop})
+                 properties={**part.get("properties", {}), **props})
 
 
-def _add_stats_columns(spark: SparkSession, path: str, stats: Sequence[str]) -> None:
-    """Name the statistics columns of a table that has none named (Delta's default: the first
-    32 columns); files written before keep theirs."""
+def _add_column_properties(spark: SparkSession, path: str, props: dict[str, str]) -> None:
+    """Set the column properties a table lacks, in one commit (files written before keep their
+    statistics and encodings); statistics only on columns the table has, and never renamed once
+    set (Delta's default was the first 32 columns)."""
     rs = open_table(path)
-    if STATS_COLUMNS_PROPERTY in rs.metadata().configuration:
+    have = rs.metadata().configuration
+    missing = {k: v for k, v in props.items() if k not in have}
+    if STATS_COLUMNS_PROPERTY in missing:
+        cols = set(rs.schema().to_arrow().names)
+        missing[STATS_COLUMNS_PROPERTY] = ",".join(
+            c for c in missing[STATS_COLUMNS_PROPERTY].split(",") if c in cols)
+    if not missing:
         return
-    have = set(rs.schema().to_arrow().names)
-    cols = ",".join(c for c in stats if c in have)
-    retry_conflicts(lambda: spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
-                                      f"('{STATS_COLUMNS_PROPERTY}' = '{cols}')"),
-                    f"set the statistics columns of {path}")
-    log.info("%s: file statistics on %s from now on", path, cols)
+    pairs = ", ".join(f"'{k}' = '{v}'" for k, v in missing.items())
+    retry_conflicts(lambda: spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({pairs})"),
+                    f"set the column properties of {path}")
+    log.info("%s: %s from now on", path, pairs)
 
 
 def add_missing_columns(spark: SparkSession, path: str, schema: pa.Schema | StructType) -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
+from pyspark.sql import functions as F
 
 from lakehouse import delta_tables, delta_txn
 
@@ -220,6 +221,7 @@ def test_statistics_only_on_the_columns_reads_filter_on(spark, tmp_path: Path) -
     delta_tables.ensure_named_table(spark, s, "gold_metrics_5m", METRIC_WINDOWS)  # once
     log = DeltaTable(old)
     assert log.metadata().configuration[STATS_COLUMNS_PROPERTY] == "device_id,metric,window_start,window_end"
+    assert log.metadata().configuration["parquet.enable.dictionary#mean"] == "false"
     assert [h["operation"] for h in log.history()] == ["SET TBLPROPERTIES", "WRITE", "CREATE TABLE"]
     delta_tables.append(metric_windows(spark, range(3, 5)), old, "app", 1)
     q = (spark.readStream.format("delta").load(old).writeStream.format("memory")
@@ -230,6 +232,43 @@ def test_statistics_only_on_the_columns_reads_filter_on(spark, tmp_path: Path) -
         assert sorted(r.mean for r in spark.table("stats_upgrade").collect()) == [0, 1, 2, 3, 4]
     finally:
         q.stop()
+
+
+def _encodings(files: list[Path]) -> dict[str, set[str]]:
+    """Parquet encodings of each column over ``files``."""
+    import pyarrow.parquet as pq
+
+    out: dict[str, set[str]] = {}
+    for f in files:
+        rg = pq.ParquetFile(f).metadata.row_group(0)
+        for i in range(rg.num_columns):
+            out.setdefault(rg.column(i).path_in_schema, set()).update(rg.column(i).encodings)
+    return out
+
+
+def test_unique_and_computed_columns_are_written_without_a_dictionary(spark, tmp_path: Path) -> None:
+    """Columns in ``tables.PLAIN_COLUMNS`` skip Parquet's dictionary, however few their values;
+    the others keep it. A table created before gets the setting once, for the files after."""
+    from lakehouse.settings import load_settings
+    from lakehouse.tables import METRIC_WINDOWS
+
+    s = load_settings(environ={}, data_root=str(tmp_path))
+    path = s.table_path("gold_metrics_1m")
+    # five values in 100 rows: a dictionary pays, unless the column is a plain one
+    rows = metric_windows(spark, range(100)).withColumn("mean", F.col("min") % 5).withColumn("min", F.col("min") % 5)
+    delta_tables.ensure_table(spark, path, METRIC_WINDOWS)  # as iotlake created tables before
+    delta_tables.append(rows, path, "app", 0)
+    before = list(Path(path).rglob("*.parquet"))
+    assert "PLAIN_DICTIONARY" in _encodings(before)["mean"]
+    delta_tables.ensure_named_table(spark, s, "gold_metrics_1m", METRIC_WINDOWS)
+    delta_tables.ensure_named_table(spark, s, "gold_metrics_1m", METRIC_WINDOWS)  # once
+    delta_tables.append(rows, path, "app", 1)
+    enc = _encodings([f for f in Path(path).rglob("*.parquet") if f not in before])
+    assert "PLAIN_DICTIONARY" not in enc["mean"], enc
+    assert "PLAIN_DICTIONARY" in enc["min"] and "PLAIN_DICTIONARY" in enc["device_id"], enc
+    log = DeltaTable(path)
+    assert [h["operation"] for h in log.history()] == ["WRITE", "SET TBLPROPERTIES", "WRITE", "CREATE TABLE"]
+    assert log.to_pyarrow_table().num_rows == 200  # delta-rs reads the table as before
 
 
 def test_tables_take_the_log_checkpoint_interval_from_the_settings(spark, table: str) -> None:
