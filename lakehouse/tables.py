@@ -133,6 +133,9 @@ RETENTION_COLUMNS: dict[str, str] = {
 }
 
 
+#: The window tables of ``gold.windows``, merged and final, tumbling and sliding
+_WINDOW_TABLES = ("gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final", "gold_metrics_5m_final")
+
 #: The columns Delta keeps file statistics on (min, max, null count), per table: the keys and
 #: times that reads filter or join on, data skipping, Z-ordering (``orchestration.maintenance``)
 #: and retention (``RETENTION_COLUMNS``) use. Delta computes statistics row by row at every
@@ -142,8 +145,7 @@ STATS_COLUMNS: dict[str, tuple[str, ...]] = {
     "bronze": ("topic", "partition", "offset", "timestamp", "ingest_time"),
     "silver": ("device_id", "event_time", "ingest_time"),
     "quarantine": ("device_id", "event_time", "ingest_time", "quarantined_at"),
-    **{t: ("device_id", "metric", "window_start", "window_end") for t in (
-        "gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final", "gold_metrics_5m_final")},
+    **{t: ("device_id", "metric", "window_start", "window_end") for t in _WINDOW_TABLES},
     "device_current": ("device_id", "last_seen", "updated_at"),
     "device_status_history": ("device_id", "changed_at"),
     "readings_scored": ("device_id", "event_time", "metric"),
@@ -166,15 +168,14 @@ _SCORES = ("event_id", "score", "baseline", "expected_low", "expected_high")
 
 #: Columns written without Parquet's dictionary encoding, per table: values unique per row (ids,
 #: offsets, raw payloads) or computed to full precision (scores, means), for which the writer
-#: would hash every value into a dictionary only to drop it as no smaller (a third of gold
-#: health's write CPU; docs/benchmarks.md). Readings themselves keep it: sensors report with
-#: few digits, and a dictionary then pays.
+#: would hash every value into a dictionary only to drop it as no smaller (docs/benchmarks.md,
+#: session 43). Readings themselves keep it: sensors report with few digits, and a dictionary
+#: then pays.
 PLAIN_COLUMNS: dict[str, tuple[str, ...]] = {
     "bronze": ("value", "offset"),
     "silver": ("event_id", "kafka_offset"),
     "quarantine": ("value", "event_id", "kafka_offset"),
-    **{t: ("mean", "stddev") for t in (
-        "gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final", "gold_metrics_5m_final")},
+    **{t: ("mean", "stddev") for t in _WINDOW_TABLES},
     "readings_scored": _SCORES,
     "anomalies": _SCORES,
 }
