@@ -5,7 +5,10 @@ every 10 s of event time; a few spikes, low batteries and errors) into a silver 
 ``--commits`` commits (one file each), then drains it through Delta's streaming source with
 ``availableNow`` and ``gold.max_files_per_trigger`` (``--max-files``; the default 1 makes every
 commit one micro-batch): the health stream alone, the window stream alone, then both at once. State size comes from the last
-progress' ``stateOperators`` (RocksDB). ``--scaling`` repeats the health run at other device
+progress' ``stateOperators`` (RocksDB). The same readings then go through Spark and Delta alone
+(``health_floor_rows_per_s``: the health stream's buckets, state and Python round trip with a
+function that only counts; ``windows_floor_rows_per_s``: the same windows in append mode into
+Delta's sink): the most this stack gives on this machine. ``--scaling`` repeats the health run at other device
 counts with the same number of readings. The session is a batch process's, as `iotlake backfill`
 runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). Last line: one
 JSON object.
@@ -31,11 +34,15 @@ import psutil
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.state import GroupStateTimeout
+from pyspark.sql.types import DoubleType, LongType, StructField, StructType
 from silver_throughput import PROFILES, profile_model  # bench/ is on sys.path
 
 import gold.health
 import gold.windows
+from lakehouse.delta_tables import spark_schema
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from lakehouse.tables import SILVER, silver_schema
@@ -205,8 +212,52 @@ def check_scored(settings: Settings, readings: int) -> None:
         raise AssertionError(f"readings_scored has {n} rows, want {readings * k}")
 
 
+def _floor_windows(spark: SparkSession, s: Settings) -> StreamingQuery:
+    """Spark and Delta alone: the same 1-minute windows (count, mean, min, max, stddev, last) in
+    append mode into Delta's sink; no upsert of open windows, no final table of ours."""
+    long = gold.windows.readings_long(_silver_stream(spark, s), MODEL.gold_metrics)
+    agg = (long.withWatermark("event_time", f"{s.stream.watermark_seconds} seconds")
+           .groupBy("device_id", "metric", F.window("event_time", "1 minute"))
+           .agg(F.count("value").alias("count"), F.avg("value").alias("mean"), F.min("value").alias("min"),
+                F.max("value").alias("max"), F.stddev("value").alias("stddev"),
+                F.max_by("value", "event_time").alias("last")))
+    return _sink(agg, s, "floor_windows")
+
+
+def _floor_health(spark: SparkSession, s: Settings) -> StreamingQuery:
+    """Spark and Delta alone: the health stream's shape (rows to Python by the same 64 device
+    buckets, RocksDB state per bucket, every reading out again with a score) with a function
+    that only counts, into Delta's sink: no detector, status or upserts."""
+    state = StructType([StructField("n", LongType())])
+
+    def count(key, frames, st):
+        n = st.get[0] if st.exists else 0
+        for pdf in frames:
+            n += len(pdf)
+            yield pdf.drop(columns="bucket").assign(score=0.0)
+        st.update((n,))
+    cols = ["device_id", "event_time", *MODEL.gold_metrics]
+    out = StructType([*[f for f in spark_schema(silver_schema(MODEL)).fields if f.name in cols],
+                      StructField("score", DoubleType())])
+    df = (_silver_stream(spark, s).select(*cols)
+          .withWatermark("event_time", f"{s.stream.watermark_seconds} seconds")
+          .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(gold.health.STATE_BUCKETS)))
+          .groupBy("bucket").applyInPandasWithState(count, out, state, "append", GroupStateTimeout.NoTimeout))
+    return _sink(df, s, "floor_health")
+
+
+def _silver_stream(spark: SparkSession, s: Settings):
+    return (spark.readStream.format("delta").option("maxFilesPerTrigger", str(s.gold.max_files_per_trigger))
+            .load(s.table_path("silver")))
+
+
+def _sink(df, s: Settings, name: str) -> StreamingQuery:
+    return (df.writeStream.format("delta").outputMode("append").trigger(availableNow=True)
+            .option("checkpointLocation", s.checkpoint_path(name)).start(s.table_path(name)))
+
+
 def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.Namespace,
-                  windows: bool) -> dict:
+                  windows: bool, floors: bool = False) -> dict:
     base = settings_for(root / f"d{devices}", args.max_files)
     write_s = write_silver(base, args.readings, devices, args.commits)
     silver = base.table_path("silver")
@@ -221,6 +272,12 @@ def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.
         (wq,), wall, cpu = run([lambda: gold.windows.start(spark, w, "available_now")])
         out["windows"] = rates(wq, wall, cpu) | state_of(wq)
         print("windows", json.dumps(out["windows"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
+    if floors:  # the same readings through Spark and Delta alone
+        f = fresh(root, f"f{devices}", args.max_files, silver)
+        for name, start in (("health_floor", _floor_health), ("windows_floor", _floor_windows)):
+            (fq,), wall, cpu = run([lambda start=start: start(spark, f)])
+            out[name] = rates(fq, wall, cpu)
+            print(name, json.dumps(out[name]), f"load {os.getloadavg()[0]:.1f}", flush=True)
     if windows and not args.smoke:  # both at once: a measurement, no code path of its own
         b = fresh(root, f"b{devices}", args.max_files, silver)
         (hq, wq), wall, cpu = run([lambda: gold.health.start(spark, b, "available_now"),
@@ -241,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scaling", default="1000,100000",
                     help="comma-separated device counts for health-only runs ('' = none)")
     ap.add_argument("--skip-windows", action="store_true")
+    ap.add_argument("--skip-floors", action="store_true",
+                    help="skip the floor runs (the same readings through Spark and Delta alone)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="sensor",
                     help="whose readings: the bundled sensor's, or examples/pump.toml's model")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
@@ -257,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                           batch=True)
     try:
         load0 = os.getloadavg()
-        main_run = bench_devices(spark, root, args.devices, args, windows=not args.skip_windows)
+        main_run = bench_devices(spark, root, args.devices, args, windows=not args.skip_windows,
+                                 floors=not args.skip_floors)
         scaling = {str(args.devices): main_run["health"]}
         for d in [int(x) for x in args.scaling.split(",") if x.strip()]:
             scaling[str(d)] = bench_devices(spark, root, d, args, windows=False)["health"]
@@ -270,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
             "windows_rows_per_s": main_run.get("windows", {}).get("rows_per_s"),
             "windows_rows_per_cpu_s": main_run.get("windows", {}).get("rows_per_cpu_s"),
             "both_rows_per_s": main_run.get("both", {}).get("rows_per_s"),
+            # what Spark and Delta alone reach on the same readings and machine (whole runs)
+            "health_floor_rows_per_s": main_run.get("health_floor", {}).get("rows_per_s"),
+            "health_floor_rows_per_s_steady": main_run.get("health_floor", {}).get("rows_per_s_steady"),
+            "windows_floor_rows_per_s": main_run.get("windows_floor", {}).get("rows_per_s"),
             # health state is keyed by device bucket: state_rows counts buckets, not devices
             "state_rows": h.get("state_rows"), "state_buckets": gold.health.STATE_BUCKETS,
             "state_memory_mb": h.get("state_memory_mb"),

@@ -7,8 +7,11 @@ the JVM up on a small separate bronze table (so neither profits from running sec
 state: the sum of numInputRows over the sum of durationMs.triggerExecution of every batch after
 the first (the first pays state store creation). Each run's quality-log counters are checked
 against the generated data to the row. The session is a batch process's, as `iotlake backfill`
-runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). Last line: one
-JSON object.
+runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). The same
+bronze then goes through Spark and Delta alone (``rows_per_s_floor``: ``from_json`` into the
+model's typed fields and Delta's sink, no checks, dedup or quarantine): the most this stack
+gives on this machine, and ``ratio_to_floor`` how much of it silver keeps. Last line: one JSON
+object.
 
     .venv/bin/python bench/silver_throughput.py [--rows 1000000] [--commits 10] [--files-per-batch 2]
 
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import pyarrow as pa
 from deltalake import write_deltalake
+from pyspark.sql import functions as F
+from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
 import silver.stream
 from ingest.simulator import ModelPayloads, device_topic, drop_field, encode, set_field
@@ -301,6 +306,55 @@ def run_silver(spark, settings: Settings, bronze: str, validate: bool) -> dict:
             "ms_parts": dict(parts)}
 
 
+def payload_struct(model: TelemetryModel) -> StructType:
+    """The model's payload as one nested struct (metrics typed, every other field a string):
+    what Spark's ``from_json`` needs to parse it in one pass."""
+    tree: dict = {}
+    typed = {m.source: (LongType() if m.type == "long" else DoubleType()) for m in model.metrics}
+    paths = [model.device_id_path, model.event_id_path, model.event_time_path, model.status_path,
+             model.schema_version_path, *typed]
+    for path in filter(None, paths):
+        *parents, leaf = path.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = typed.get(path, StringType())
+
+    def struct(node: dict) -> StructType:
+        return StructType([StructField(k, struct(v) if isinstance(v, dict) else v) for k, v in node.items()])
+    return struct(tree)
+
+
+def run_floor(spark, settings: Settings, bronze: str) -> dict:
+    """Spark and Delta alone over the same bronze batches: ``from_json`` into the model's typed
+    fields, the event time parsed, the Kafka coordinates kept, the Delta sink's append. No
+    checks, dedup, quarantine or quality log: the least any silver on this stack does per row."""
+    model = settings.telemetry
+    p = F.from_json(F.col("value").cast("string"), payload_struct(model)).alias("p")
+
+    def at(path: str):
+        return F.col("p." + path) if path else F.lit(None)
+    rows = (spark.readStream.format("delta")
+            .option("maxFilesPerTrigger", str(settings.stream.silver_max_files_per_trigger)).load(bronze)
+            .select(p, F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"),
+                    "ingest_time")
+            .select(at(model.event_id_path).alias("event_id"), at(model.device_id_path).alias("device_id"),
+                    F.expr(f"try_to_timestamp(p.{model.event_time_path})").alias("event_time"),
+                    *(at(m.source).alias(m.name) for m in model.metrics),
+                    at(model.status_path).alias("status"), "kafka_partition", "kafka_offset", "ingest_time"))
+    t0 = time.monotonic()
+    q = (rows.writeStream.format("delta").option("checkpointLocation", settings.checkpoint_path("floor"))
+         .trigger(availableNow=True).start(settings.table_path("floor")))
+    q.awaitTermination()
+    progress = q.recentProgress
+    first = next(p["batchId"] for p in progress if p["numInputRows"] > 0)
+    steady = [p for p in progress if p["batchId"] > first]
+    rows_n = sum(p["numInputRows"] for p in steady)
+    ms = sum(p["durationMs"]["triggerExecution"] for p in steady)
+    return {"batches": len(progress), "steady_rows": rows_n, "steady_ms": ms,
+            "rows_per_s": rows_n / (ms / 1000) if ms else None, "wall_s": round(time.monotonic() - t0, 1)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -341,14 +395,22 @@ def main(argv: list[str] | None = None) -> None:
         spark = spark_session(settings("spark"), app_name="iotlake-silver-bench", batch=True)
         for validate in () if args.smoke else (True, False):  # a smoke run measures nothing
             run_silver(spark, settings(f"warm_{validate}"), warm, validate)
+        if not args.smoke and not model.sparkplug:
+            run_floor(spark, settings("warm_floor"), warm)
         runs = {}
         variants = [("with_validation", True), ("without", False)]
         if model.sparkplug:  # the sensor's JSON readings, same session, for ratio_to_json
             json_bronze = settings("json_bronze").table_path("bronze")
             json_expected = build_bronze(json_bronze, args.rows, args.commits)
             variants.append(("json", True))
+        else:
+            variants.append(("floor", False))
         for name, validate in variants:
             s = settings(name)
+            if name == "floor":
+                runs[name] = run_floor(spark, s, bronze)
+                print(name, json.dumps(runs[name]), flush=True)
+                continue
             if name == "json":
                 s = s.model_copy(update={"telemetry": TelemetryModel()})
                 runs[name] = run_silver(spark, s, json_bronze, True)
@@ -374,7 +436,10 @@ def main(argv: list[str] | None = None) -> None:
                           "overhead_ratio": round(without / with_v, 3),
                           **({"rows_per_s_json": round(runs["json"]["rows_per_s"]),
                               "ratio_to_json": round(with_v / runs["json"]["rows_per_s"], 3)}
-                             if "json" in runs else {})}))
+                             if "json" in runs else {}),
+                          **({"rows_per_s_floor": round(runs["floor"]["rows_per_s"]),
+                              "ratio_to_floor": round(with_v / runs["floor"]["rows_per_s"], 3)}
+                             if "floor" in runs else {})}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

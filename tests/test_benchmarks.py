@@ -23,10 +23,10 @@ IN_PROCESS = {
     "batch_overhead": ("silver", "gold_windows", "gold_health"),
     "compaction": ("files_before", "compact", "zorder", "liquid"),
     "delta_log_length": ("append_ms_0", "append_ms_2000", "delta_rs_update_ms_2000"),
-    "gold_throughput": (),
+    "gold_throughput": ("health_floor_rows_per_s", "windows_floor_rows_per_s"),
     "ingest_throughput": (),
     "silver_dedup": (),
-    "silver_throughput": (),
+    "silver_throughput": ("rows_per_s_floor", "ratio_to_floor"),
     "silver_throughput --profile sparkplug": ("ratio_to_json", "rows_per_s_json"),
     "window_merge": ("batch_ms_first", "batch_ms_last", "gold_metrics_1m", "gold_metrics_5m"),
 }
