@@ -7,7 +7,10 @@ Spark's Kafka source, each batch appended to Delta once) and once into
 would otherwise bill whichever runs first). The first micro-batch pays query start-up, so
 "steady" rates leave it out; on shared cores, CPU microseconds per row (whole process tree,
 the broker included) are the load-independent figure. Checks bronze holds every record exactly once.
-Last line: one JSON object.
+``--live-rate``: then bronze's live query (its trigger, its writes) under a producer sending that
+many records per second, and the cores of the Spark JVM and of the broker while it runs: the
+least any live pipeline on this stack uses at that rate and batch interval. Last line: one JSON
+object.
 
     .venv/bin/python bench/ingest_throughput.py [--messages 1000000] [--max-offsets 250000] [--smoke]
 """
@@ -184,6 +187,49 @@ def drain(spark: SparkSession, settings: Settings, max_offsets: int, sink: str) 
             .trigger(availableNow=True).start())
 
 
+def live(spark: SparkSession, settings: Settings, broker_pid: int, rate: float, warmup: float,
+         seconds: float) -> dict:
+    """Bronze's live query under ``rate`` records/s: cores of the Spark JVM and of the broker
+    over ``seconds`` after ``warmup``, and the median batch."""
+    ensure_topics(settings)
+    stop = threading.Event()
+
+    def send() -> None:
+        p = Producer(client_config(settings, **{"linger.ms": 5}))
+        t0, n = time.monotonic(), 0
+        while not stop.is_set():
+            due = int((time.monotonic() - t0) * rate)
+            for i in range(n, due):
+                dev = f"dev-{i % 200:05d}"
+                p.produce(settings.kafka.topic, f'{{"event_id":"e{i:010d}","device_id":"{dev}",'
+                          f'"ts":"2024-05-01T00:00:00.000Z","temperature":21.5,"status":"ok"}}'.encode(),
+                          dev.encode())
+            n = max(n, due)
+            p.poll(0)
+            stop.wait(0.01)
+        p.flush(30)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    q = bronze.stream.start(spark, settings, "live")
+    jvm = spark._jvm.java.lang.ProcessHandle.current().pid()
+    try:
+        time.sleep(warmup)
+        n0, t0, c0 = len(q.recentProgress), time.monotonic(), (tree_cpu(jvm), tree_cpu(broker_pid))
+        time.sleep(seconds)
+        t1, c1 = time.monotonic(), (tree_cpu(jvm), tree_cpu(broker_pid))
+        batches = [p for p in q.recentProgress[-max(1, len(q.recentProgress) - n0):] if p["numInputRows"]]
+    finally:
+        q.stop()
+        stop.set()
+        sender.join(60)
+    ms = sorted(p["durationMs"]["triggerExecution"] for p in batches)
+    return {"rate": rate, "trigger_s": settings.stream.trigger_seconds, "batches": len(batches),
+            "cores_spark": round((c1[0] - c0[0]) / (t1 - t0), 3),
+            "cores_broker": round((c1[1] - c0[1]) / (t1 - t0), 3),
+            "batch_ms_p50": ms[len(ms) // 2] if ms else None}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000)
@@ -197,9 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark setting, as iotlake.toml's [spark.conf] would give")
+    ap.add_argument("--live-rate", type=float, default=0,
+                    help="then run bronze live under this many records/s and report its cores (0: skip)")
+    ap.add_argument("--live-trigger", type=float, default=1.0, help="the live query's trigger interval (s)")
+    ap.add_argument("--live-seconds", type=float, default=60, help="seconds sampled, after --live-warmup")
+    ap.add_argument("--live-warmup", type=float, default=40)
     args = ap.parse_args(argv)
     if args.smoke:
         args.messages, args.max_offsets, args.warmup = 4_000, 2_000, 1_000
+        args.live_rate, args.live_seconds, args.live_warmup = 50, 3, 3
     conf = dict(kv.split("=", 1) for kv in args.spark_conf)
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))
@@ -230,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
         print("noop", json.dumps(n), flush=True)
         if n["rows"] != args.messages:
             raise AssertionError(f"noop read {n['rows']} rows, want {args.messages}")
+        lv = {}
+        if args.live_rate:
+            s = bench_settings(root, port, "bench-live", args.partitions, conf)
+            s = s.model_copy(update={"stream": s.stream.model_copy(update={"trigger_seconds": args.live_trigger})})
+            lv = live(spark, s, broker.proc.pid, args.live_rate, args.live_warmup, args.live_seconds)
+            print("live", json.dumps(lv), flush=True)
         files = len(DeltaTable(settings.table_path("bronze")).file_uris())
         print(json.dumps({
             "rows": b["rows"], "messages": args.messages, "max_offsets": args.max_offsets,
@@ -242,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             "noop_cpu_us_per_row_steady": n.get("cpu_us_per_row_steady"),
             "load_avg_1m": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
             "exact_once": True,
+            **{f"live_{k}": v for k, v in lv.items()},
         }))
     finally:
         if spark is not None:

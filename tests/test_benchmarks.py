@@ -24,7 +24,7 @@ IN_PROCESS = {
     "compaction": ("files_before", "compact", "zorder", "liquid"),
     "delta_log_length": ("append_ms_0", "append_ms_2000", "delta_rs_update_ms_2000"),
     "gold_throughput": ("health_floor_rows_per_s", "windows_floor_rows_per_s"),
-    "ingest_throughput": (),
+    "ingest_throughput": ("live_cores_spark", "live_cores_broker", "live_batch_ms_p50"),
     "silver_dedup": (),
     "silver_throughput": ("rows_per_s_floor", "ratio_to_floor"),
     "silver_throughput --profile sparkplug": ("ratio_to_json", "rows_per_s_json"),
