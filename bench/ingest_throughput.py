@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.messages, args.max_offsets, args.warmup = 4_000, 2_000, 1_000
-        args.live_rate, args.live_seconds, args.live_warmup = 50, 3, 3
+        args.live_rate, args.live_seconds, args.live_warmup = 50, 2, 2
     conf = dict(kv.split("=", 1) for kv in args.spark_conf)
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-ingest-bench-"))

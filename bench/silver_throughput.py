@@ -9,7 +9,7 @@ the first (the first pays state store creation). Each run's quality-log counters
 against the generated data to the row. The session is a batch process's, as `iotlake backfill`
 runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). The same
 bronze then goes through Spark and Delta alone (``rows_per_s_floor``: ``from_json`` into the
-model's typed fields and Delta's sink, no checks, dedup or quarantine): the most this stack
+model's typed fields, appended as iotlake appends; no checks, dedup or quarantine): the most this stack
 gives on this machine, and ``ratio_to_floor`` how much of it silver keeps. Last line: one JSON
 object.
 
@@ -40,6 +40,7 @@ from pyspark.sql.types import DoubleType, LongType, StringType, StructField, Str
 
 import silver.stream
 from ingest.simulator import ModelPayloads, device_topic, drop_field, encode, set_field
+from lakehouse import delta_tables
 from lakehouse.delta_read import read_table
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
@@ -327,8 +328,9 @@ def payload_struct(model: TelemetryModel) -> StructType:
 
 def run_floor(spark, settings: Settings, bronze: str) -> dict:
     """Spark and Delta alone over the same bronze batches: ``from_json`` into the model's typed
-    fields, the event time parsed, the Kafka coordinates kept, the Delta sink's append. No
-    checks, dedup, quarantine or quality log: the least any silver on this stack does per row."""
+    fields, the event time parsed, the Kafka coordinates kept, appended as iotlake appends
+    (``delta_tables.append``). No checks, dedup, quarantine or quality log: the least any silver
+    on this stack does per row."""
     model = settings.telemetry
     p = F.from_json(F.col("value").cast("string"), payload_struct(model)).alias("p")
 
@@ -343,8 +345,10 @@ def run_floor(spark, settings: Settings, bronze: str) -> dict:
                     *(at(m.source).alias(m.name) for m in model.metrics),
                     at(model.status_path).alias("status"), "kafka_partition", "kafka_offset", "ingest_time"))
     t0 = time.monotonic()
-    q = (rows.writeStream.format("delta").option("checkpointLocation", settings.checkpoint_path("floor"))
-         .trigger(availableNow=True).start(settings.table_path("floor")))
+    path = settings.table_path("floor")
+    delta_tables.ensure_table(spark, path, rows.schema)
+    q = (rows.writeStream.foreachBatch(lambda batch, i: delta_tables.append(batch, path, "floor", i))
+         .option("checkpointLocation", settings.checkpoint_path("floor")).trigger(availableNow=True).start())
     q.awaitTermination()
     progress = q.recentProgress
     first = next(p["batchId"] for p in progress if p["numInputRows"] > 0)
