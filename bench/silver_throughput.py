@@ -47,6 +47,7 @@ from lakehouse.spark import spark_session
 from lakehouse.tables import BRONZE
 from lakehouse.telemetry import TelemetryModel
 from silver.default_suite import default_suite
+from silver.parse import topic_device
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 PARTITIONS = 4
@@ -326,22 +327,35 @@ def payload_struct(model: TelemetryModel) -> StructType:
     return struct(tree)
 
 
+def event_time(raw, fmt: str):
+    """The event time as the model's format gives it (``auto``: ISO-8601 only, as most fleets
+    send it)."""
+    units = {"epoch_s": 1_000_000, "epoch_ms": 1_000, "epoch_us": 1}
+    if fmt in units:
+        return F.timestamp_micros((raw.cast("double") * units[fmt]).cast("long"))
+    return F.try_to_timestamp(raw)
+
+
 def run_floor(spark, settings: Settings, bronze: str) -> dict:
     """Spark and Delta alone over the same bronze batches: ``from_json`` into the model's typed
-    fields, the event time parsed, the Kafka coordinates kept, appended as iotlake appends
+    fields, the event time parsed, the device id from the topic where the model puts it there, the
+    Kafka coordinates kept, appended as iotlake appends
     (``delta_tables.append``). No checks, dedup, quarantine or quality log: the least any silver
     on this stack does per row."""
     model = settings.telemetry
     p = F.from_json(F.col("value").cast("string"), payload_struct(model)).alias("p")
+    topic = topic_device(model)[0]  # the device id from the MQTT topic, where the model says so
+    topic = F.lit(None).cast("string") if topic is None else topic
 
     def at(path: str):
         return F.col("p." + path) if path else F.lit(None)
     rows = (spark.readStream.format("delta")
             .option("maxFilesPerTrigger", str(settings.stream.silver_max_files_per_trigger)).load(bronze)
-            .select(p, F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"),
-                    "ingest_time")
-            .select(at(model.event_id_path).alias("event_id"), at(model.device_id_path).alias("device_id"),
-                    F.expr(f"try_to_timestamp(p.{model.event_time_path})").alias("event_time"),
+            .select(p, topic.alias("topic_device"), F.col("partition").alias("kafka_partition"),
+                    F.col("offset").alias("kafka_offset"), "ingest_time")
+            .select(at(model.event_id_path).alias("event_id"),
+                    (at(model.device_id_path) if model.device_id_path else F.col("topic_device")).alias("device_id"),
+                    event_time(F.col("p." + model.event_time_path), model.event_time_format).alias("event_time"),
                     *(at(m.source).alias(m.name) for m in model.metrics),
                     at(model.status_path).alias("status"), "kafka_partition", "kafka_offset", "ingest_time"))
     t0 = time.monotonic()
