@@ -274,7 +274,7 @@ def _watch(settings, published, silver_seen, current_seen, stop: threading.Event
             row = t[t.device_id == PROBE]
             if len(row):
                 last = row.last_seen.iloc[0].timestamp()
-                for e, pt in published.items():
+                for e, pt in list(published.items()):  # the publisher thread adds to it
                     if e not in current_seen and pt <= last + 0.001:
                         current_seen[e] = now
             cur_v = cv
