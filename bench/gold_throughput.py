@@ -215,7 +215,7 @@ def check_scored(settings: Settings, readings: int) -> None:
 def _floor_windows(spark: SparkSession, s: Settings) -> StreamingQuery:
     """Spark and Delta alone: the same 1-minute windows (count, mean, min, max, stddev, last) in
     append mode, appended to one table: no upsert of open windows, no final table."""
-    long = gold.windows.readings_long(_silver_stream(spark, s), MODEL.gold_metrics)
+    long = gold.windows.readings_long(gold.windows.silver_stream(spark, s), MODEL.gold_metrics)
     agg = (long.withWatermark("event_time", f"{s.stream.watermark_seconds} seconds")
            .groupBy("device_id", "metric", F.window("event_time", "1 minute"))
            .agg(F.count("value").alias("count"), F.avg("value").alias("mean"), F.min("value").alias("min"),
@@ -239,16 +239,11 @@ def _floor_health(spark: SparkSession, s: Settings) -> StreamingQuery:
     cols = ["device_id", "event_time", *MODEL.gold_metrics]
     out = StructType([*[f for f in spark_schema(silver_schema(MODEL)).fields if f.name in cols],
                       StructField("score", DoubleType())])
-    df = (_silver_stream(spark, s).select(*cols)
+    df = (gold.windows.silver_stream(spark, s).select(*cols)
           .withWatermark("event_time", f"{s.stream.watermark_seconds} seconds")
           .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(gold.health.STATE_BUCKETS)))
           .groupBy("bucket").applyInPandasWithState(count, out, state, "append", GroupStateTimeout.NoTimeout))
     return _sink(df, s, "floor_health")
-
-
-def _silver_stream(spark: SparkSession, s: Settings):
-    return (spark.readStream.format("delta").option("maxFilesPerTrigger", str(s.gold.max_files_per_trigger))
-            .load(s.table_path("silver")))
 
 
 def _sink(df, s: Settings, name: str) -> StreamingQuery:

@@ -215,10 +215,11 @@ def live(spark: SparkSession, settings: Settings, broker_pid: int, rate: float, 
     jvm = spark._jvm.java.lang.ProcessHandle.current().pid()
     try:
         time.sleep(warmup)
-        n0, t0, c0 = len(q.recentProgress), time.monotonic(), (tree_cpu(jvm), tree_cpu(broker_pid))
+        before = max((p["batchId"] for p in q.recentProgress), default=-1)
+        t0, c0 = time.monotonic(), (tree_cpu(jvm), tree_cpu(broker_pid))
         time.sleep(seconds)
         t1, c1 = time.monotonic(), (tree_cpu(jvm), tree_cpu(broker_pid))
-        batches = [p for p in q.recentProgress[-max(1, len(q.recentProgress) - n0):] if p["numInputRows"]]
+        batches = [p for p in q.recentProgress if p["batchId"] > before and p["numInputRows"]]
     finally:
         q.stop()
         stop.set()

@@ -349,8 +349,7 @@ def run_floor(spark, settings: Settings, bronze: str) -> dict:
 
     def at(path: str):
         return F.col("p." + path) if path else F.lit(None)
-    rows = (spark.readStream.format("delta")
-            .option("maxFilesPerTrigger", str(settings.stream.silver_max_files_per_trigger)).load(bronze)
+    rows = (silver.stream.bronze_stream(spark, settings, bronze)  # as silver reads it
             .select(p, topic.alias("topic_device"), F.col("partition").alias("kafka_partition"),
                     F.col("offset").alias("kafka_offset"), "ingest_time")
             .select(at(model.event_id_path).alias("event_id"),
