@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 import pandas as pd
@@ -50,6 +50,7 @@ from gold.anomaly import (
     state_fields,
     upgrade_rows,
 )
+from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
@@ -469,7 +470,8 @@ class HealthBatch:
     """foreachBatch: split the state function's output into the four gold tables, in Spark.
 
     The output is persisted first: it comes out of the stateful operator, which must run once
-    per batch (its state store commits), while four writes read it.
+    per batch (its state store commits), while four writes read it, at once
+    (``lakehouse.concurrent_writes``).
     """
 
     def __init__(self, settings: Settings, app_id: str, current_columns: list[str] | None = None) -> None:
@@ -499,13 +501,14 @@ class HealthBatch:
         cur = out.where(kind == "current").withColumn("updated_at", F.current_timestamp())
         cur = cur.select(*[c if c in cur.columns else F.lit(None).cast("double").alias(c)
                            for c in self.current_columns])
-        for name, data, rows in (("readings_scored", rs, n["reading"]),
-                                 ("anomalies", rs.where("is_anomaly"), n["anomaly"]),
-                                 ("device_status_history", hist, n["status"])):
-            if rows:
-                append(data, self.paths[name], self.app_id, batch_id)
+        writes = [partial(append, data, self.paths[name], self.app_id, batch_id)
+                  for name, data, rows in (("readings_scored", rs, n["reading"]),
+                                           ("anomalies", rs.where("is_anomaly"), n["anomaly"]),
+                                           ("device_status_history", hist, n["status"])) if rows]
         if n["current"]:
-            upsert(cur, self.paths["device_current"], ["device_id"], self.app_id, batch_id)
+            writes.append(partial(upsert, cur, self.paths["device_current"], ["device_id"],
+                                  self.app_id, batch_id))
+        run_at_once(out.sparkSession, writes)
 
 
 def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:

@@ -251,6 +251,9 @@ def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T
 
     ``spark`` must be the micro-batch's own session (``df.sparkSession`` in foreachBatch): each
     streaming query runs in a session clone, so queries in other threads never see these confs.
+    A batch's writes that run at once (``lakehouse.concurrent_writes``) may hold one such write:
+    the others commit through Delta's transaction API or carry the ids as writer options, which
+    Delta takes over these confs.
     """
     with session_confs(spark, {"spark.databricks.delta.write.txnAppId": app_id,
                                "spark.databricks.delta.write.txnVersion": str(batch_id)}):

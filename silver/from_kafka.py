@@ -5,7 +5,8 @@ deduplicated, to silver, quarantine and the quality log in the same ``foreachBat
 The layered topology runs two queries: bronze from Kafka, then silver from bronze through
 Delta's streaming source, which pays per batch for a snapshot of bronze, a read of the files
 bronze just wrote, its own checkpoint and its own planning; and a reading waits for both
-queries' batches. Here the batch is read from Kafka once (persisted for both writes).
+queries' batches. Here the batch is read from Kafka once (persisted for both writes), and
+bronze's append runs beside silver's writer (``lakehouse.concurrent_writes``).
 
 Exactly once as in the layered queries: every table's append carries this query's id and the
 batch id as its Delta transaction, so a replayed batch skips what it already committed; the
@@ -16,6 +17,7 @@ started with (the checkpoints of the other would re-read what this one wrote).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
@@ -25,6 +27,7 @@ from bronze.stream import TABLE as BRONZE_TABLE
 from bronze.stream import ensure_table as ensure_bronze
 from bronze.stream import kafka_stream
 from lakehouse import delta_tables
+from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import partition_minutes
 from lakehouse.settings import Settings
 from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
@@ -58,9 +61,10 @@ class FusedBatch:
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         df = df.persist()  # one read of Kafka and one parse for both writes
         try:
-            delta_tables.append(df.select(*self.bronze_columns).coalesce(self.tasks), self.path,
-                                self.app_id, batch_id)
-            self.silver(df.drop(*self.keep), batch_id)
+            run_at_once(df.sparkSession, [  # silver's writer first: it runs writes at once too
+                partial(self.silver, df.drop(*self.keep), batch_id),
+                partial(delta_tables.append, df.select(*self.bronze_columns).coalesce(self.tasks),
+                        self.path, self.app_id, batch_id)])
         finally:
             df.unpersist()
 

@@ -7,7 +7,7 @@ bronze (Delta's streaming source) -> parse -> validate (suite compiled to one Sp
 driver's index; or with ``stream.dedup = "state_store"`` Spark's dropDuplicatesWithinWatermark
 in the plan), valid rows to ``silver``, failing rows to ``quarantine`` with every reason, and
 per-batch counts to ``quality_log``, each written with Delta's idempotent append (query id,
-batch id). Every bronze row is accounted for:
+batch id), the three at once (``lakehouse.concurrent_writes``). Every bronze row is accounted for:
 
     bronze rows in batch = silver + quarantine + duplicates dropped + late
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,6 +33,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from lakehouse import delta_tables
+from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
@@ -252,10 +254,11 @@ class SilverBatchWriter:
                             "quarantine": quarantine.num_rows - late.num_rows,
                             "duplicates": duplicates, "late": late.num_rows}
         spark = df.sparkSession
-        for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine),
-                           (QUALITY_TABLE, self._quality(batch_id, now, out, reasons))):
-            if data.num_rows:
-                delta_tables.append(arrow_frame(spark, data), self.paths[name], self.app_id, batch_id)
+        run_at_once(spark, [partial(delta_tables.append, arrow_frame(spark, data), self.paths[name],
+                                        self.app_id, batch_id)
+                                for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine),
+                                                   (QUALITY_TABLE, self._quality(batch_id, now, out, reasons)))
+                                if data.num_rows])
         if added is not None:
             self.index.commit(batch_id, added)
             note_batch(self.app_id, batch_id, state_rows=len(self.index),
@@ -302,10 +305,10 @@ class SilverBatchWriter:
             for r in rows:
                 r.update(query_id=self.app_id, batch_id=batch_id, logged_at=now)
             quality = self.spark.createDataFrame(pa.Table.from_pylist(rows, schema=QUALITY_LOG))
-            for name, data, n in ((TABLE, silver, valid), (QUARANTINE_TABLE, quarantine, rows_out - valid),
-                                  (QUALITY_TABLE, quality, len(rows))):
-                if n:
-                    delta_tables.append(data, self.paths[name], self.app_id, batch_id)
+            run_at_once(df.sparkSession, [
+                partial(delta_tables.append, data, self.paths[name], self.app_id, batch_id)
+                for name, data, n in ((TABLE, silver, valid), (QUARANTINE_TABLE, quarantine, rows_out - valid),
+                                      (QUALITY_TABLE, quality, len(rows))) if n])
         finally:
             df.unpersist()
 
