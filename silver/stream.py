@@ -254,11 +254,11 @@ class SilverBatchWriter:
                             "quarantine": quarantine.num_rows - late.num_rows,
                             "duplicates": duplicates, "late": late.num_rows}
         spark = df.sparkSession
-        run_at_once(spark, [partial(delta_tables.append, arrow_frame(spark, data), self.paths[name],
-                                        self.app_id, batch_id)
-                                for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine),
-                                                   (QUALITY_TABLE, self._quality(batch_id, now, out, reasons)))
-                                if data.num_rows])
+        quality = self._quality(batch_id, now, out, reasons)
+        run_at_once(spark, [
+            partial(delta_tables.append, arrow_frame(spark, data), self.paths[name], self.app_id, batch_id)
+            for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine), (QUALITY_TABLE, quality))
+            if data.num_rows])
         if added is not None:
             self.index.commit(batch_id, added)
             note_batch(self.app_id, batch_id, state_rows=len(self.index),
