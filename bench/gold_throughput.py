@@ -38,11 +38,11 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupStateTimeout
 from pyspark.sql.types import DoubleType, LongType, StructField, StructType
-from silver_throughput import PROFILES, profile_model  # bench/ is on sys.path
+from silver_throughput import PROFILES, floor_query, profile_model  # bench/ is on sys.path
 
 import gold.health
 import gold.windows
-from lakehouse.delta_tables import append, ensure_table, spark_schema
+from lakehouse.delta_tables import spark_schema
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from lakehouse.tables import SILVER, silver_schema
@@ -221,7 +221,7 @@ def _floor_windows(spark: SparkSession, s: Settings) -> StreamingQuery:
            .agg(F.count("value").alias("count"), F.avg("value").alias("mean"), F.min("value").alias("min"),
                 F.max("value").alias("max"), F.stddev("value").alias("stddev"),
                 F.max_by("value", "event_time").alias("last")))
-    return _sink(agg, s, "floor_windows")
+    return floor_query(agg, s, "floor_windows")
 
 
 def _floor_health(spark: SparkSession, s: Settings) -> StreamingQuery:
@@ -243,17 +243,7 @@ def _floor_health(spark: SparkSession, s: Settings) -> StreamingQuery:
           .withWatermark("event_time", f"{s.stream.watermark_seconds} seconds")
           .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(gold.health.STATE_BUCKETS)))
           .groupBy("bucket").applyInPandasWithState(count, out, state, "append", GroupStateTimeout.NoTimeout))
-    return _sink(df, s, "floor_health")
-
-
-def _sink(df, s: Settings, name: str) -> StreamingQuery:
-    """Appended as iotlake appends (``delta_tables.append``: Delta's transaction API, exactly
-    once per batch), which costs less per batch than Delta's own streaming sink."""
-    path = s.table_path(name)
-    ensure_table(df.sparkSession, path, df.schema)
-    return (df.writeStream.outputMode("append").trigger(availableNow=True)
-            .foreachBatch(lambda batch, i: append(batch, path, name, i))
-            .option("checkpointLocation", s.checkpoint_path(name)).start())
+    return floor_query(df, s, "floor_health")
 
 
 def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.Namespace,

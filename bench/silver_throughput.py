@@ -336,6 +336,16 @@ def event_time(raw, fmt: str):
     return F.try_to_timestamp(raw)
 
 
+def floor_query(df, settings: Settings, name: str):
+    """A floor's stream, appended as iotlake appends (``delta_tables.append``: Delta's transaction
+    API, exactly once per batch; less per batch than Delta's own streaming sink), available-now."""
+    path = settings.table_path(name)
+    delta_tables.ensure_table(df.sparkSession, path, df.schema)
+    return (df.writeStream.outputMode("append").trigger(availableNow=True)
+            .foreachBatch(lambda batch, i: delta_tables.append(batch, path, name, i))
+            .option("checkpointLocation", settings.checkpoint_path(name)).start())
+
+
 def run_floor(spark, settings: Settings, bronze: str) -> dict:
     """Spark and Delta alone over the same bronze batches: ``from_json`` into the model's typed
     fields, the event time parsed, the device id from the topic where the model puts it there, the
@@ -358,10 +368,7 @@ def run_floor(spark, settings: Settings, bronze: str) -> dict:
                     *(at(m.source).alias(m.name) for m in model.metrics),
                     at(model.status_path).alias("status"), "kafka_partition", "kafka_offset", "ingest_time"))
     t0 = time.monotonic()
-    path = settings.table_path("floor")
-    delta_tables.ensure_table(spark, path, rows.schema)
-    q = (rows.writeStream.foreachBatch(lambda batch, i: delta_tables.append(batch, path, "floor", i))
-         .option("checkpointLocation", settings.checkpoint_path("floor")).trigger(availableNow=True).start())
+    q = floor_query(rows, settings, "floor")
     q.awaitTermination()
     progress = q.recentProgress
     first = next(p["batchId"] for p in progress if p["numInputRows"] > 0)

@@ -43,12 +43,13 @@ def run_at_once(spark: SparkSession, writes: Sequence[Callable[[], None]]) -> No
     if not writes:
         return
     first, *rest = writes
+    inherit = inheritable_thread_target(spark) if rest else None  # this thread's properties, now
 
     def in_session(write: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             spark._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
             write()
-        return inheritable_thread_target(spark)(run)  # this thread's properties, as of now
+        return inherit(run)
 
     futures = [_threads().submit(in_session(w)) for w in rest]
     errors: list[BaseException] = []
