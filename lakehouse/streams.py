@@ -10,10 +10,12 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from decimal import Decimal
 from pathlib import Path
 
 from py4j.protocol import Py4JJavaError
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import DataStreamWriter
 
 from lakehouse.settings import Settings
@@ -115,6 +117,17 @@ def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:
     if not f.exists():
         raise RuntimeError(f"offsets log for batch {batch_id} missing in {checkpoint}")
     return int(json.loads(f.read_text().splitlines()[1]).get("batchWatermarkMs", 0))
+
+
+def at_or_before(ts: Column, epoch_us: int) -> Column:
+    """``ts <= epoch_us`` for a bound that changes every micro-batch (a watermark).
+
+    Spark writes a long or timestamp literal into its generated code, so a new bound makes the
+    batch's code new: compiled again, and run interpreted until the JIT has compiled it again
+    (docs/benchmarks.md, session 46). A decimal literal is passed to the code as a reference
+    instead, so the code stays the same from batch to batch. Decimal(18, 0) holds every
+    timestamp Spark has (years 1 to 9999 in microseconds)."""
+    return F.unix_micros(ts).cast("decimal(18,0)") <= F.lit(Decimal(epoch_us)).cast("decimal(18,0)")
 
 
 #: What Spark takes for a query being stopped (``StreamExecution.isInterruptionException``).

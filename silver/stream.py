@@ -39,7 +39,14 @@ from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
-from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
+from lakehouse.streams import (
+    at_or_before,
+    batch_watermark_ms,
+    foreach_batch,
+    pool,
+    query_id,
+    trigger_kwargs,
+)
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
 from silver.dedup import DedupIndex
@@ -229,8 +236,7 @@ class SilverBatchWriter:
         added = None
         if self.index is not None:
             # one pass to the driver; the raw payload rides along only for rows bound to quarantine
-            late_cond = F.col("dedup_time").isNotNull() & (
-                F.col("dedup_time") <= F.timestamp_micros(F.lit(late_wm * 1000)))
+            late_cond = F.col("dedup_time").isNotNull() & at_or_before(F.col("dedup_time"), late_wm * 1000)
             out = df.withColumn("value", F.when((F.col("reasons") != "") | late_cond,
                                                 F.col("value"))).toArrow()
             rows_in = out.num_rows
