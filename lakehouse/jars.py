@@ -71,15 +71,18 @@ def java_binary() -> str | None:
 #: native growth (docs/benchmarks.md, session 28). With this the heap grows to what the load
 #: needs (at most ``spark.driver_memory``) and stays there.
 KEEP_HEAP = "-XX:MaxHeapFreeRatio=100"
+#: The driver's log4j2 configuration: Spark's lines to stderr at WARN and up.
+LOG4J2 = Path(__file__).with_name("log4j2.properties")
 
 
 def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0,
                         fixed_heap_mb: int = 0) -> str:
-    """JVM options of the Spark driver: log level, ``native_memory.jvm_options`` (bounded NIO
+    """JVM options of the Spark driver: its logging (``LOG4J2``), ``native_memory.jvm_options`` (bounded NIO
     buffer caches, native heap trims), a heap that does not shrink once grown, the
     compiled-code cache's size (``spark.code_cache_mb``), a heap fixed and touched at start
     (``spark.fixed_heap``; Spark sets -Xmx itself) and the class archive when there is one."""
-    opts = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(java_binary()), KEEP_HEAP))
+    opts = " ".join((f"-Dlog4j2.configurationFile={LOG4J2}", *native_memory.jvm_options(java_binary()),
+                     KEEP_HEAP))
     if fixed_heap_mb:
         opts += f" -Xms{fixed_heap_mb}m -XX:+AlwaysPreTouch"
     if code_cache_mb:

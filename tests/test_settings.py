@@ -141,8 +141,8 @@ def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, 
     from lakehouse import jars, native_memory
 
     monkeypatch.setenv("IOTLAKE_JARS_DIR", str(tmp_path))
-    plain = " ".join(("-Dlog4j2.level=WARN", *native_memory.jvm_options(jars.java_binary()),
-                      jars.KEEP_HEAP))
+    plain = " ".join((f"-Dlog4j2.configurationFile={jars.LOG4J2}",
+                      *native_memory.jvm_options(jars.java_binary()), jars.KEEP_HEAP))
     assert jars.driver_java_options() == plain  # no archive: plain start
     archive = jars.class_archive()
     archive.parent.mkdir(parents=True)
@@ -296,6 +296,16 @@ def test_routine_spark_warnings_are_quiet(spark) -> None:
     assert "org.apache.spark.rdd.MapPartitionsRDD" in QUIET_LOGGERS
     for name in QUIET_LOGGERS:
         assert log4j.LogManager.getLogger(name).getLevel().toString() == "ERROR", name
+
+
+def test_spark_logs_to_stderr_from_warn_up(spark) -> None:
+    """stdout is a command's output (a bench's last JSON line): Spark's lines, even those it
+    logs while the JVM shuts down after that line, go to stderr."""
+    ctx = spark._jvm.org.apache.logging.log4j.LogManager.getContext(False)
+    root = ctx.getConfiguration().getRootLogger()
+    assert root.getLevel().toString() == "WARN"
+    targets = [a.getTarget().toString() for a in root.getAppenders().values()]
+    assert targets == ["SYSTEM_ERR"]
 
 
 @pytest.mark.parametrize("path", ["iotlake.toml.example", "examples/pump.toml", "infra/spark/iotlake.toml"])
