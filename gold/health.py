@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
@@ -511,6 +511,14 @@ class HealthBatch:
         run_at_once(out.sparkSession, writes)
 
 
+def model_name(names: Column, index: Column) -> Column:
+    """The name of the detector model at ``index`` (0-based), null without one. Spark takes
+    ``element_at`` over an array without nulls for never null under ANSI mode, even at a null
+    index; code compiled on that promise wrote the null without a check (a NullPointerException
+    once in a CI-like run, session 46), so the null case is spelled out."""
+    return F.when(index.isNotNull(), F.element_at(names, index.cast("int") + 1))
+
+
 def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:
     """Unpivot the state function's reading rows: one row per present metric."""
     names = F.array(*[F.lit(name) for name in MODELS])
@@ -518,8 +526,7 @@ def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> 
                                     F.col(f"{m}_score").alias("score"),
                                     F.col(f"{m}_baseline").alias("baseline"),
                                     F.col(f"{m}_anomaly").alias("is_anomaly"),
-                                    F.element_at(names, F.col(f"{m}_model").cast("int") + 1)
-                                    .alias("anomaly_model"),
+                                    model_name(names, F.col(f"{m}_model")).alias("anomaly_model"),
                                     F.col(f"{m}_low").alias("expected_low"),
                                     F.col(f"{m}_high").alias("expected_high")) for m in metrics])
     return (readings.select("event_id", "device_id", "event_time", F.explode(per_metric).alias("r"))

@@ -373,3 +373,22 @@ def test_replayed_window_batch_writes_nothing_twice(spark, gold_settings, tmp_pa
     assert {t: same_through_both(spark, s, t) for t in tables} == rows
     batch(batch_rows(26.0), 4)
     assert windows(s, "gold_metrics_1m")[60]["mean"] == 26.0
+
+
+def test_a_reading_without_a_model_has_no_model_name_compiled_or_not(spark) -> None:
+    """Spark takes ``element_at`` at a null index for never null (ANSI): compiled, it gave the
+    last model's name (or wrote a null unchecked); the name is null in both modes."""
+    import gold.health
+    from lakehouse.spark import session_confs
+
+    rows = [("e-1", None), ("e-2", 0.0)]
+    df = spark.createDataFrame(rows, "event_id string, temperature_model double").selectExpr(
+        "event_id", "'dev-1' AS device_id", "TIMESTAMP '2026-01-01 00:00:00' AS event_time",
+        "1.0 AS temperature", "0.1 AS temperature_score", "1.0 AS temperature_baseline",
+        "false AS temperature_anomaly", "temperature_model", "0.0 AS temperature_low",
+        "2.0 AS temperature_high")
+    for mode in ("FALLBACK", "NO_CODEGEN"):
+        with session_confs(spark, {"spark.sql.codegen.factoryMode": mode}):
+            got = {r["event_id"]: r["anomaly_model"] for r in
+                   gold.health.readings_scored(df, ("temperature",)).collect()}
+        assert got == {"e-1": None, "e-2": gold.health.MODELS[0]}, mode
