@@ -12,9 +12,10 @@ appended to one table as iotlake appends: the most this stack gives on this mach
 counts with the same number of readings. The session is a batch process's, as `iotlake backfill`
 runs (``spark.expression_codegen``; the JSON's ``codegen`` says which mode ran). Before the
 measured runs each stream runs once over a small table of its own (``--warmup`` readings; its
-own checkpoint and state), as the silver bench warms up: the measured runs then see the JVM, the Python workers
-and the detector compiled, as a stream that has been running does; the first batch of each
-measured run still creates the state of every device it sees. Last line: one JSON object.
+own checkpoint and state), as the silver bench warms up: the measured runs then find the JVM,
+the Python workers and the detector compiled, as a stream that has been running does; the first
+batch of each measured run still creates the state of every device it sees. Last line: one
+JSON object.
 
     .venv/bin/python bench/gold_throughput.py [--devices 10000] [--readings 1000000]
         [--commits 10] [--max-files 1] [--scaling 1000,100000] [--skip-windows] [--warmup 40000]

@@ -77,8 +77,8 @@ LOG4J2 = Path(__file__).with_name("log4j2.properties")
 
 def driver_java_options(class_data_sharing: bool = True, code_cache_mb: int = 0,
                         fixed_heap_mb: int = 0) -> str:
-    """JVM options of the Spark driver: its logging (``LOG4J2``), ``native_memory.jvm_options`` (bounded NIO
-    buffer caches, native heap trims), a heap that does not shrink once grown, the
+    """JVM options of the Spark driver: its logging (``LOG4J2``), ``native_memory.jvm_options``
+    (bounded NIO buffer caches, native heap trims), a heap that does not shrink once grown, the
     compiled-code cache's size (``spark.code_cache_mb``), a heap fixed and touched at start
     (``spark.fixed_heap``; Spark sets -Xmx itself) and the class archive when there is one."""
     opts = " ".join((f"-Dlog4j2.configurationFile={LOG4J2}", *native_memory.jvm_options(java_binary()),
