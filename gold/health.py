@@ -514,8 +514,7 @@ class HealthBatch:
 def model_name(names: Column, index: Column) -> Column:
     """The name of the detector model at ``index`` (0-based), null without one. Spark takes
     ``element_at`` over an array without nulls for never null under ANSI mode, even at a null
-    index; code compiled on that promise wrote the null without a check (a NullPointerException
-    once in a CI-like run, session 46), so the null case is spelled out."""
+    index: code compiled on that promise gave the last name, or wrote the null unchecked."""
     return F.when(index.isNotNull(), F.element_at(names, index.cast("int") + 1))
 
 
