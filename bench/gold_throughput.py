@@ -58,12 +58,15 @@ STEP_S = 10  # every device reports every STEP_S seconds of event time
 
 #: the telemetry model of the run (``--profile``); the sensor's by default
 MODEL = TelemetryModel()
+#: gold.health_state for the runs (None: the setting's default)
+HEALTH_STATE: str | None = None
 
 
 def settings_for(root: Path, max_files: int, conf: dict[str, str] | None = None) -> Settings:
     return load_settings(environ={}, data_root=str(root),
                          spark={"master": "local[2]", "shuffle_partitions": 2, "conf": conf or {}},
-                         gold={"max_files_per_trigger": max_files, "max_bytes_per_trigger": 0},
+                         gold={"max_files_per_trigger": max_files, "max_bytes_per_trigger": 0,
+                               **({"health_state": HEALTH_STATE} if HEALTH_STATE else {})},
                          telemetry=MODEL.model_dump())
 
 
@@ -143,6 +146,20 @@ def state_of(q: StreamingQuery) -> dict:
         if k in custom:
             out[f"{k}_mb"] = round(custom[k] / 2**20, 1)
     return out
+
+
+def driver_state_of(settings: Settings) -> dict:
+    """Devices and bytes on disk of the health stream's driver-held state (its last snapshot
+    and the changes after it), when it runs in that mode."""
+    files = sorted(Path(settings.checkpoint_path("gold_health"), "device_state").glob("*.arrow"),
+                   key=lambda f: int(f.name.split(".")[0]))
+    snaps = [f for f in files if ".snapshot." in f.name]
+    if not snaps:
+        return {}
+    live = [f for f in files if int(f.name.split(".")[0]) >= int(snaps[-1].name.split(".")[0])]
+    with pa.memory_map(str(snaps[-1])) as src:
+        devices = pa.ipc.open_file(src).read_all().num_rows
+    return {"state_rows": devices, "state_disk_mb": round(sum(f.stat().st_size for f in live) / 2**20, 1)}
 
 
 def rates(q: StreamingQuery, wall: float, cpu: dict[str, float]) -> dict:
@@ -277,7 +294,7 @@ def bench_devices(spark: SparkSession, root: Path, devices: int, args: argparse.
     s = fresh(root, f"h{devices}", args.max_files, silver)
     (hq,), wall, cpu = run([lambda: gold.health.start(spark, s, "available_now")])
     check_scored(s, args.readings)
-    out = {"devices": devices, "health": rates(hq, wall, cpu) | state_of(hq)}
+    out = {"devices": devices, "health": rates(hq, wall, cpu) | state_of(hq) | driver_state_of(s)}
     print("health", json.dumps(out["health"]), f"load {os.getloadavg()[0]:.1f}", flush=True)
     if windows:
         w = fresh(root, f"w{devices}", args.max_files, silver)
@@ -318,16 +335,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="whose readings: the bundled sensor's, or examples/pump.toml's model")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark conf (repeatable), as iotlake.toml's [spark.conf] gives it")
+    ap.add_argument("--health-state", choices=["driver", "state_store"], default=None,
+                    help="where the health stream keeps device state (gold.health_state; default: its default)")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench still works")
     args = ap.parse_args(argv)
-    global MODEL
+    global MODEL, HEALTH_STATE
     MODEL = profile_model(args.profile)
+    HEALTH_STATE = args.health_state
     if args.smoke:
         args.devices, args.readings, args.commits, args.scaling, args.warmup = 20, 2_000, 2, "", 0
     root = Path(tempfile.mkdtemp(prefix="iotlake-gold-bench-"))
     conf = dict(c.split("=", 1) for c in args.conf)
-    spark = spark_session(settings_for(root / "spark", args.max_files, conf), app_name="iotlake-gold-bench",
-                          batch=True)
+    s = settings_for(root / "spark", args.max_files, conf)
+    spark = spark_session(s, app_name="iotlake-gold-bench", batch=True)
     try:
         warm = warm_up(spark, root, args) if args.warmup else {}
         load0 = os.getloadavg()
@@ -350,14 +370,16 @@ def main(argv: list[str] | None = None) -> None:
             "health_floor_rows_per_s_steady": main_run.get("health_floor", {}).get("rows_per_s_steady"),
             "windows_floor_rows_per_s": main_run.get("windows_floor", {}).get("rows_per_s"),
             # health state is keyed by device bucket: state_rows counts buckets, not devices
+            "health_state": s.gold.health_state,
+            # state_store: rows are device buckets; driver: devices (state_disk_mb: its files)
             "state_rows": h.get("state_rows"), "state_buckets": gold.health.STATE_BUCKETS,
             "state_memory_mb": h.get("state_memory_mb"),
-            "state_disk_mb": h.get("rocksdbTotalSizeOnDisk_mb", h.get("rocksdbSstFileSize_mb")),
+            "state_disk_mb": h.get("rocksdbTotalSizeOnDisk_mb", h.get("rocksdbSstFileSize_mb", h.get("state_disk_mb"))),
             "windows_state_rows": main_run.get("windows", {}).get("state_rows"),
             "windows_state_memory_mb": main_run.get("windows", {}).get("state_memory_mb"),
             "scaling": {d: {k: r.get(k) for k in (
                 "rows_per_s", "rows_per_s_steady", "rows_per_cpu_s", "cpu_s_by_process", "state_rows",
-                "state_memory_mb", "rocksdbTotalSizeOnDisk_mb", "rocksdbSstFileSize_mb")}
+                "state_memory_mb", "rocksdbTotalSizeOnDisk_mb", "rocksdbSstFileSize_mb", "state_disk_mb")}
                 for d, r in scaling.items()},
             "warmup_readings": args.warmup, "warmup": warm,
             "load_avg_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],

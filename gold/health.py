@@ -1,7 +1,9 @@
 """Gold device health: per-device anomaly scores and online / degraded / offline status.
 
-One arbitrary-state stream (``applyInPandasWithState``, RocksDB state in the checkpoint, so it
-survives restarts):
+One stream whose state (each device's status and detectors) survives restarts in its
+checkpoint: held by the driver with ``gold.health_state = "driver"`` (the default:
+``gold/device_state.py``), or with ``"state_store"`` in Spark's arbitrary-state operator
+(``applyInPandasWithState``, RocksDB), described here. Both score and judge alike:
 
 - each reading of each metric is scored by the streaming detector in ``gold/anomaly.py``,
   whose state (one per device and metric) lives in the device's state;
@@ -10,14 +12,15 @@ survives restarts):
 - an event-time timeout fires ``offline_after_seconds`` after the device's last reading once
   the watermark (driven by *other* devices' data) passes it: the device goes ``offline``.
 
-State is keyed by a hash bucket of ``device_id`` (``STATE_BUCKETS``), each holding the states of
-its devices: Spark's fixed cost per group in the Python worker (Arrow to pandas per group, state
-(de)serialisation, one output frame per group) is ~1 ms, which with a key per device capped the
-stream at ~1k readings/s for 10k devices. A bucket is processed column-wise (one sort,
-vectorised rules and output columns, its devices' state as arrays) and all its (device, metric)
-detectors run in one compiled call (``gold.anomaly.score_lanes``). Timeouts stay per
-device and exact: a bucket's timeout is its devices' earliest deadline, and every call also
-times out its devices without data whose deadline is below the watermark (Spark's rule).
+In the state store, state is keyed by a hash bucket of ``device_id`` (``STATE_BUCKETS``), each
+holding the states of its devices: Spark's fixed cost per group in the Python worker (Arrow to
+pandas per group, state (de)serialisation, one output frame per group) is ~1 ms, which with a
+key per device capped the stream at ~1k readings/s for 10k devices. A bucket is processed
+column-wise (one sort, vectorised rules and output columns, its devices' state as arrays) and
+all its (device, metric) detectors run in one compiled call (``gold.anomaly.score_lanes``).
+Timeouts stay per device and exact: a bucket's timeout is its devices' earliest deadline, and
+every call also times out its devices without data whose deadline is below the watermark
+(Spark's rule).
 Changing ``STATE_BUCKETS`` needs a new checkpoint; the gold metrics may change between starts.
 
 Input: silver through Delta's streaming source. Outputs, written by delta-spark exactly once per
@@ -32,6 +35,7 @@ import base64
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -53,7 +57,7 @@ from gold.anomaly import (
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
-from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
+from lakehouse.streams import foreach_batch, pin_mode, pool, query_id, trigger_kwargs
 from lakehouse.tables import (
     ANOMALIES,
     DEVICE_STATUS_HISTORY,
@@ -177,7 +181,12 @@ def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
 def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS,
                  cfg: DetectorConfig | None = None) -> Bucket:
     """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
-    t = pa.ipc.open_stream(base64.b64decode(blob)).read_all()
+    return bucket_of(pa.ipc.open_stream(base64.b64decode(blob)).read_all(), state_len, metrics, cfg)
+
+
+def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...] = METRICS,
+              cfg: DetectorConfig | None = None) -> Bucket:
+    """Devices from their rows (``device_state_schema``, perhaps of other metrics)."""
     n, k = t.num_rows, len(metrics)
     dets, det_set = np.zeros((k, n, state_len)), np.zeros((k, n), dtype=bool)
     values = np.full((n, k), np.nan)
@@ -197,7 +206,7 @@ def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS,
         return t.column(name).fill_null(_NONE).to_numpy().copy()  # writable
 
     return Bucket(
-        t.column("device_id").to_numpy(zero_copy_only=False),
+        t.column("device_id").to_numpy(zero_copy_only=False).astype(object),
         t.column("status").to_numpy(zero_copy_only=False).astype(object),
         ints("status_since"), ints("last_seen"), ints("timeout_at"),
         values,
@@ -207,18 +216,25 @@ def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS,
 
 def dump_devices(b: Bucket, metrics: tuple[str, ...] = METRICS) -> str:
     """Inverse of :func:`load_devices`."""
-    schema = device_state_schema(metrics)
-    k = len(metrics)
-    table = pa.table([
-        pa.array(b.ids, pa.string()), pa.array(b.status, pa.string()),
-        _ints(b.status_since), _ints(b.last_seen), _ints(b.timeout_at),
-        *[_floats(b.values[:, i]) for i in range(k)], _floats(b.anomaly_score),
-        *[_packed(b.dets[i], b.det_set[i]) for i in range(k)],
-    ], schema=schema)
+    table = devices_table(b, metrics)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema, options=_IPC_OPTIONS) as w:
+    with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as w:
         w.write_table(table)
     return base64.b64encode(sink.getvalue()).decode("ascii")
+
+
+def devices_table(b: Bucket, metrics: tuple[str, ...] = METRICS, rows: np.ndarray | None = None) -> pa.Table:
+    """The devices at positions ``rows`` (all by default) as rows of ``device_state_schema``."""
+    def at(a: np.ndarray) -> np.ndarray:
+        return a if rows is None else a[rows]
+
+    k = len(metrics)
+    return pa.table([
+        pa.array(at(b.ids), pa.string()), pa.array(at(b.status), pa.string()),
+        _ints(at(b.status_since)), _ints(at(b.last_seen)), _ints(at(b.timeout_at)),
+        *[_floats(at(b.values[:, i])) for i in range(k)], _floats(at(b.anomaly_score)),
+        *[_packed(at(b.dets[i]), at(b.det_set[i])) for i in range(k)],
+    ], schema=device_state_schema(metrics))
 
 
 class Rows:
@@ -301,19 +317,8 @@ def health_fn(gold: GoldSettings, model: TelemetryModel | None = None):
         wm = state.getCurrentWatermarkMs()
         quiet = np.ones(len(devs.ids), dtype=bool)
         quiet[touched] = False
-        timed_out = np.flatnonzero(quiet & (devs.timeout_at != _NONE) & (devs.timeout_at < wm))
-        # no reading for offline_after: offline as of last_seen + timeout
-        devs.timeout_at[timed_out] = _NONE
-        went = timed_out[devs.status[timed_out] != "offline"]
-        when = devs.last_seen[went] + timeout_ms
-        out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
-                previous_status=devs.status[went], reason="no_data", event_time=when * 1_000_000)
-        devs.status[went], devs.status_since[went] = "offline", when
-        cur = np.concatenate([touched, timed_out])
-        out.add(len(cur), kind="current", device_id=devs.ids[cur], status=devs.status[cur],
-                status_since=_ns(devs.status_since[cur]), last_seen=_ns(devs.last_seen[cur]),
-                **{m: devs.values[cur, i] for i, m in enumerate(metrics)},
-                anomaly_score=devs.anomaly_score[cur])
+        timed_out = time_out(devs, quiet, wm, timeout_ms, out)
+        add_current(devs, np.concatenate([touched, timed_out]), out, metrics)
         state.update((dump_devices(devs, metrics),))
         pending = devs.timeout_at[devs.timeout_at != _NONE]
         if pending.size:
@@ -324,6 +329,27 @@ def health_fn(gold: GoldSettings, model: TelemetryModel | None = None):
             yield out.frame()
 
     return fn
+
+
+def time_out(devs: Bucket, candidates: np.ndarray, wm: int, timeout_ms: int, out: Rows) -> np.ndarray:
+    """Take the ``candidates`` (bool per device) whose deadline is below the watermark ``wm``
+    offline as of last reading + timeout (no reading for that long); returns their positions."""
+    timed_out = np.flatnonzero(candidates & (devs.timeout_at != _NONE) & (devs.timeout_at < wm))
+    devs.timeout_at[timed_out] = _NONE
+    went = timed_out[devs.status[timed_out] != "offline"]
+    when = devs.last_seen[went] + timeout_ms
+    out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
+            previous_status=devs.status[went], reason="no_data", event_time=when * 1_000_000)
+    devs.status[went], devs.status_since[went] = "offline", when
+    return timed_out
+
+
+def add_current(devs: Bucket, cur: np.ndarray, out: Rows, metrics: tuple[str, ...]) -> None:
+    """A ``current`` row (``device_current``) for each device at positions ``cur``."""
+    out.add(len(cur), kind="current", device_id=devs.ids[cur], status=devs.status[cur],
+            status_since=_ns(devs.status_since[cur]), last_seen=_ns(devs.last_seen[cur]),
+            **{m: devs.values[cur, i] for i, m in enumerate(metrics)},
+            anomaly_score=devs.anomaly_score[cur])
 
 
 def _ns(ms: np.ndarray) -> np.ndarray:
@@ -546,9 +572,21 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
         add_missing_columns(spark, settings.table_path(name), schema)  # tables of older versions
     current_path = settings.table_path("device_current")
     current_columns = add_missing_columns(spark, current_path, current)  # a gold metric added
-    frame = health_frame(silver_stream(spark, settings, columns=health_input(settings.telemetry)), settings)
+    silver = silver_stream(spark, settings, columns=health_input(settings.telemetry))
+    mode = settings.gold.health_state
+    app_id = query_id(ckpt)
+    pin_mode(ckpt, "gold.health_state", mode,
+             "state_store" if Path(ckpt, "offsets").exists() else None,  # from before the setting
+             "rebuild gold into a new generation (iotlake reprocess)")
+    if mode == "driver":
+        from gold.device_state import DriverHealthBatch, driver_frame
+
+        frame, batch_fn = (driver_frame(silver, settings),
+                           DriverHealthBatch(settings, ckpt, app_id, current_columns))
+    else:
+        frame, batch_fn = health_frame(silver, settings), HealthBatch(settings, app_id, current_columns)
     writer = (
-        foreach_batch(frame, QUERY, HealthBatch(settings, query_id(ckpt), current_columns))
+        foreach_batch(frame, QUERY, batch_fn)
         .outputMode("append")
         .option("checkpointLocation", ckpt)
         .trigger(**trigger_kwargs(settings, trigger, layer="gold"))

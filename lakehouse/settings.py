@@ -381,6 +381,12 @@ class GoldSettings(_Section):
     # stream holds in memory per state bucket. 0 bytes: files only.
     max_files_per_trigger: int = Field(100, ge=1)
     max_bytes_per_trigger: int = Field(64 << 20, ge=0)
+    # Where the health stream keeps each device's state: "driver" (the driver's memory, a
+    # changelog in the checkpoint: gold/device_state.py; each batch goes to the driver, as
+    # silver's dedup index does) or "state_store" (Spark's RocksDB state store, by device
+    # bucket: for fleets whose batches a driver should not hold). A checkpoint keeps the mode
+    # it started with.
+    health_state: Literal["driver", "state_store"] = "driver"
 
     @model_validator(mode="after")
     def _sliding(self) -> GoldSettings:

@@ -119,6 +119,20 @@ def batch_watermark_ms(checkpoint: str, batch_id: int) -> int:
     return int(json.loads(f.read_text().splitlines()[1]).get("batchWatermarkMs", 0))
 
 
+def pin_mode(checkpoint: str, setting: str, mode: str, started_as: str | None, rebuild: str) -> None:
+    """A checkpoint keeps the ``setting``'s mode it started with (each mode keeps its state in
+    its own form, which the other cannot read): raises ValueError on a change, saying how to go
+    back or ``rebuild``. ``started_as``: the mode of a started checkpoint from before the pin."""
+    f = Path(checkpoint, "iotlake_" + setting.split(".")[-1] + "_mode")
+    if not f.exists():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text((started_as or mode) + "\n")
+    was = f.read_text().strip()
+    if was != mode:
+        raise ValueError(f"checkpoint {checkpoint} was started with {setting} = {was!r}, not "
+                         f"{mode!r}: set {setting} = {was!r} again, or {rebuild} to switch")
+
+
 def at_or_before(ts: Column, epoch_us: int) -> Column:
     """``ts <= epoch_us`` for a bound that changes every micro-batch (a watermark).
 

@@ -43,6 +43,7 @@ from lakehouse.streams import (
     at_or_before,
     batch_watermark_ms,
     foreach_batch,
+    pin_mode,
     pool,
     query_id,
     trigger_kwargs,
@@ -353,20 +354,10 @@ class SilverBatchWriter:
 def pin_dedup_mode(checkpoint: str, mode: str) -> None:
     """A checkpoint keeps the dedup mode it started with: the index's changelog and Spark's
     state store do not carry over, so resuming in the other mode would forget seen ids."""
-    f = Path(checkpoint, "iotlake_dedup_mode")
-    if f.exists():
-        was = f.read_text().strip()
-        if was != mode:
-            raise ValueError(
-                f"silver checkpoint {checkpoint} was started with stream.dedup = {was!r}, not "
-                f"{mode!r}: set stream.dedup = {was!r} again, or rebuild silver into a new "
-                f"generation (iotlake reprocess) to switch")
-        return
-    f.parent.mkdir(parents=True, exist_ok=True)
     started = Path(checkpoint, "offsets").exists()  # a checkpoint from before the setting
-    f.write_text(("state_store" if started and not Path(checkpoint, "dedup").exists() else mode) + "\n")
-    if started:
-        pin_dedup_mode(checkpoint, mode)
+    pin_mode(checkpoint, "stream.dedup", mode,
+             "state_store" if started and not Path(checkpoint, "dedup").exists() else None,
+             "rebuild silver into a new generation (iotlake reprocess)")
 
 
 def ensure_tables(spark: SparkSession, settings: Settings) -> None:

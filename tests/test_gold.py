@@ -392,3 +392,86 @@ def test_a_reading_without_a_model_has_no_model_name_compiled_or_not(spark) -> N
             got = {r["event_id"]: r["anomaly_model"] for r in
                    gold.health.readings_scored(df, ("temperature",)).collect()}
         assert got == {"e-1": None, "e-2": gold.health.MODELS[0]}, mode
+
+
+# ---- where the health stream keeps device state: the driver or Spark's state store -------------
+
+def with_state(settings: Settings, mode: str, name: str) -> Settings:
+    s = settings.model_copy(deep=True)
+    s.gold.health_state = mode
+    s.data_root = str(Path(settings.data_root).parent / name)
+    return s
+
+
+def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings) -> None:
+    rng = np.random.default_rng(5)
+    temps = 21 + rng.normal(0, 0.2, 200)
+    temps[150] = 45.0  # a spike
+    commits = [
+        [reading(d, T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100)
+         for d in ("dev-1", "dev-2")],
+        # dev-2 falls silent (offline); dev-1 goes on, its battery low at the end
+        [reading("dev-1", T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100, 200)],
+        [reading("dev-1", T0 + timedelta(seconds=2000), battery=5.0)],
+    ]
+    runs = {}
+    for mode in ("driver", "state_store"):
+        s = with_state(gold_settings, mode, mode)
+        for rows in commits:
+            append_silver(s, rows)
+            run_health(spark, s)  # a restart between commits: the state carries over
+        runs[mode] = {t: DeltaTable(s.table_path(t)).to_pyarrow_table().drop_columns(
+            [c for c in ("updated_at", "time_bucket") if c in DeltaTable(s.table_path(t)).schema().to_arrow().names])
+            .sort_by([(c, "ascending") for c in ("device_id", "event_id", "metric", "changed_at")
+                      if c in DeltaTable(s.table_path(t)).schema().to_arrow().names])
+            for t in ("readings_scored", "anomalies", "device_status_history", "device_current")}
+    assert runs["driver"] == runs["state_store"]
+    got = runs["driver"]
+    assert got["readings_scored"].num_rows == 301 * 3
+    assert commits[1][50]["event_id"] in got["anomalies"].column("event_id").to_pylist()
+    assert [(r["device_id"], r["status"], r["reason"]) for r in got["device_status_history"].to_pylist()] == [
+        ("dev-1", "online", "data"), ("dev-1", "degraded", "anomaly"), ("dev-1", "online", "data"),
+        ("dev-1", "degraded", "battery_low,anomaly"), ("dev-2", "online", "data"), ("dev-2", "offline", "no_data")]
+
+    s = with_state(gold_settings, "state_store", "driver")  # a checkpoint keeps its mode
+    import gold.health
+
+    with pytest.raises(ValueError, match="started with gold.health_state = 'driver'"):
+        gold.health.start(spark, s, trigger="available_now")
+
+
+def test_device_state_comes_back_from_its_changelog_for_a_restart_or_a_replay(tmp_path) -> None:
+    from gold.anomaly import DetectorConfig
+    from gold.device_state import DeviceStateStore
+
+    metrics, cfg = ("temperature",), DetectorConfig()
+
+    def run(store: DeviceStateStore, batch: int, devices: list[str], value: float) -> None:
+        devs = store.begin(batch)
+        pos = devs.index(np.array(devices, dtype=object))
+        devs.values[pos, 0] = value
+        store.save(batch, pos)
+
+    def values(store: DeviceStateStore, batch: int) -> dict[str, float]:
+        devs = store.begin(batch)
+        return dict(zip(devs.ids.tolist(), devs.values[:, 0].tolist(), strict=True))
+
+    ck = str(tmp_path / "ck")
+    one = DeviceStateStore(ck, metrics, cfg)
+    run(one, 0, ["a", "b", "c", "d"], 1.0)  # every device: a snapshot
+    run(one, 1, ["a"], 2.0)  # changes
+    run(one, 2, ["b"], 3.0)
+    files = lambda: sorted(p.name for p in Path(ck, "device_state").iterdir())  # noqa: E731
+    assert files() == ["0.snapshot.arrow", "1.changes.arrow", "2.changes.arrow"]
+    # a restart after batch 2 committed; a replay of batch 2 (it did not commit)
+    assert values(DeviceStateStore(ck, metrics, cfg), 3) == {"a": 2.0, "b": 3.0, "c": 1.0, "d": 1.0}
+    replay = DeviceStateStore(ck, metrics, cfg)
+    assert values(replay, 2) == {"a": 2.0, "b": 1.0, "c": 1.0, "d": 1.0}
+    assert files() == ["0.snapshot.arrow", "1.changes.arrow"]
+    run(replay, 2, ["c", "d"], 4.0)  # 1 + 2 changed rows since the snapshot: not yet 4
+    run(replay, 3, ["a"], 5.0)  # 4: a snapshot; the files before the last snapshot stay
+    assert files() == ["0.snapshot.arrow", "1.changes.arrow", "2.changes.arrow", "3.snapshot.arrow"]
+    run(replay, 4, ["a", "b", "c", "d"], 6.0)  # the next snapshot: batch 3's is the one before
+    assert files() == ["3.snapshot.arrow", "4.snapshot.arrow"]
+    # batch 4 replayed: from batch 3's snapshot
+    assert values(DeviceStateStore(ck, metrics, cfg), 4) == {"a": 5.0, "b": 1.0, "c": 4.0, "d": 4.0}

@@ -1,0 +1,259 @@
+"""Gold health with each device's state held by the driver (``gold.health_state = "driver"``).
+
+Spark's arbitrary-state operator costs every batch a shuffle by device bucket, a round trip
+of each bucket through a Python worker, its state (de)serialised per bucket and the output
+cached for four writes: about twice the work of scoring itself (docs/benchmarks.md, session
+47). Here a batch goes to the driver as Arrow, as silver's does for its dedup index, where one
+column-wise ``Bucket`` holds every device and ``gold.health.score_readings`` scores the batch in
+one call; the four tables are written from the result.
+
+The same rules as the state-store mode: readings at or before the watermark of the previous
+batch are late and dropped; a device with no reading for ``offline_after_seconds`` goes offline
+once the watermark passes its deadline. Spark runs no batch without data for a query without a
+stateful operator, so the watermark a no-data batch would bring (the batch's own maximum event
+time less the delay) applies at the end of the batch that set it.
+
+Durability mirrors a state store changelog: before the batch's tables commit, the devices it
+changed are written to ``<checkpoint>/device_state/<batch>.changes.arrow``, or the whole state to
+``<batch>.snapshot.arrow`` once the changes since the last snapshot hold as many rows as the
+state. A restart at batch N rebuilds the state from the last snapshot before N and the changes
+after it; a replayed batch N rewrites its own file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from gold.anomaly import MODELS, DetectorConfig, state_fields
+from gold.health import (
+    Bucket,
+    HealthBatch,
+    Rows,
+    Rules,
+    add_current,
+    bucket_of,
+    devices_table,
+    health_input,
+    out_schema,
+    score_readings,
+    time_out,
+)
+from lakehouse.concurrent_writes import run_at_once
+from lakehouse.delta_tables import append, upsert
+from lakehouse.metrics import note_batch
+from lakehouse.settings import Settings
+from lakehouse.spark import arrow_frame
+from lakehouse.streams import batch_watermark_ms
+from lakehouse.tables import DEVICE_STATUS_HISTORY, READINGS_SCORED, device_current_schema
+
+log = logging.getLogger(__name__)
+
+class DeviceStateStore:
+    """Every device's state by batch: in memory, and as a changelog with snapshots on disk."""
+
+    def __init__(self, checkpoint: str, metrics: tuple[str, ...], cfg: DetectorConfig) -> None:
+        self.dir = Path(checkpoint, "device_state")
+        self.metrics, self.cfg = metrics, cfg
+        self.state_len = len(state_fields(cfg))
+        self.devices: Bucket | None = None
+        self.next_batch: int | None = None  # None: to be rebuilt from disk
+        self.snapshot_batch = -1  # the last snapshot's batch (-1: none)
+        self.changed_since = 0  # rows in the changes files after it
+
+    def begin(self, batch_id: int) -> Bucket:
+        """The devices as batch ``batch_id`` starts; changed in place until ``save``."""
+        if self.next_batch != batch_id or self.devices is None:
+            if self.next_batch is not None:
+                log.warning("device state: expected batch %s, got %s; rebuilding from %s",
+                            self.next_batch, batch_id, self.dir)
+            self._rebuild(batch_id)
+        self.next_batch = None  # a batch that fails half way leaves a state to rebuild
+        return self.devices
+
+    def save(self, batch_id: int, changed: np.ndarray) -> None:
+        """Write the batch's changed devices durably (before the batch commits anything)."""
+        n = len(self.devices.ids)
+        snapshot = n > 0 and self.changed_since + len(changed) >= n
+        if len(changed) or snapshot:
+            kind = "snapshot" if snapshot else "changes"
+            self._write(f"{batch_id}.{kind}.arrow",
+                        devices_table(self.devices, self.metrics, None if snapshot else changed))
+        if snapshot:
+            # a replay of this batch starts from the snapshot before it: older files go
+            for b, _, f in self._files():
+                if b < self.snapshot_batch:
+                    f.unlink(missing_ok=True)
+            self.snapshot_batch, self.changed_since = batch_id, 0
+        else:
+            self.changed_since += len(changed)
+        self.next_batch = batch_id + 1
+
+    @property
+    def nbytes(self) -> int:
+        d = self.devices
+        return 0 if d is None else sum(a.nbytes for a in (d.status_since, d.last_seen, d.timeout_at,
+                                                          d.values, d.anomaly_score, d.dets, d.det_set))
+
+    def _files(self) -> list[tuple[int, str, Path]]:
+        if not self.dir.exists():
+            return []
+        out = []
+        for f in self.dir.glob("*.arrow"):
+            b, kind, _ = f.name.split(".")
+            out.append((int(b), kind, f))
+        return sorted(out)
+
+    def _write(self, name: str, table: pa.Table) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{name}.tmp"
+        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table)
+        os.replace(tmp, self.dir / name)
+
+    def _rebuild(self, batch_id: int) -> None:
+        files = self._files()
+        for b, _, f in files:
+            if b >= batch_id:  # a batch that did not commit (or is replayed now)
+                f.unlink()
+        files = [x for x in files if x[0] < batch_id]
+        self.snapshot_batch = max((b for b, kind, _ in files if kind == "snapshot"), default=-1)
+        tables = []
+        for b, kind, f in files:
+            if b > self.snapshot_batch or (b == self.snapshot_batch and kind == "snapshot"):
+                with pa.memory_map(str(f)) as src:
+                    tables.append(pa.ipc.open_file(src).read_all())
+        self.changed_since = sum(t.num_rows for t in tables[1:]) if self.snapshot_batch >= 0 else \
+            sum(t.num_rows for t in tables)
+        if tables:
+            t = pa.concat_tables(tables, promote_options="default")
+            # the latest row of each device: positions of last occurrences, in first-seen order
+            ids = t.column("device_id").to_numpy(zero_copy_only=False)
+            _, first_of_reversed = np.unique(ids[::-1], return_index=True)
+            t = t.take(np.sort(len(ids) - 1 - first_of_reversed))
+            self.devices = bucket_of(t, self.state_len, self.metrics, self.cfg)
+        else:
+            self.devices = Bucket.empty(self.state_len, len(self.metrics))
+        log.info("device state: %d devices at batch %s", len(self.devices.ids), batch_id)
+
+
+def driver_frame(silver: DataFrame, settings: Settings) -> DataFrame:
+    """The health stream's input as the driver mode reads it, with Spark's event-time watermark
+    (kept in the checkpoint's offsets log, which every run of a batch reads alike)."""
+    model = settings.telemetry
+    df = silver.select(*health_input(model))
+    if model.sparkplug:  # a node's death (NDEATH) takes its devices offline
+        df = df.withColumn("node_death", F.coalesce(
+            F.get_json_object("extra", "$.message_type") == "NDEATH", F.lit(False))).drop("extra")
+    return df.withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
+
+
+class DriverHealthBatch:
+    """foreachBatch: score the batch on the driver, then write the four gold tables."""
+
+    def __init__(self, settings: Settings, checkpoint: str, app_id: str,
+                 current_columns: list[str] | None = None) -> None:
+        gold, model = settings.gold, settings.telemetry
+        self.gold, self.checkpoint, self.app_id = gold, checkpoint, app_id
+        self.cfg = DetectorConfig(threshold=gold.anomaly_threshold)
+        self.rules = Rules.of(model)
+        self.metrics = self.rules.metrics
+        self.timeout_ms = gold.offline_after_seconds * 1000
+        self.delay_ms = settings.stream.watermark_seconds * 1000
+        self.out_types = dict(c.split() for c in out_schema(self.metrics).split(", "))
+        self.store = DeviceStateStore(checkpoint, self.metrics, self.cfg)
+        self.writer = HealthBatch(settings, app_id, current_columns)
+        known = {f.name: f.type for f in device_current_schema(model)}
+        self.writer_current_schema = pa.schema([(c, known.get(c, pa.float64()))
+                                                for c in self.writer.current_columns])
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        late_wm = batch_watermark_ms(self.checkpoint, batch_id - 1) if batch_id > 0 else 0
+        wm = batch_watermark_ms(self.checkpoint, batch_id)
+        rows = df.toArrow()
+        devs = self.store.begin(batch_id)
+        t_us = pc.cast(rows.column("event_time"), pa.int64())
+        on_time = pc.fill_null(pc.greater(t_us, late_wm * 1000), False)
+        batch = rows.filter(on_time)
+        batch = batch.set_column(batch.schema.get_field_index("event_time"), "event_time",
+                                 pc.cast(batch.column("event_time"), pa.timestamp("ns")))
+        out = Rows(self.out_types)
+        touched = np.zeros(0, dtype=np.int64)
+        if batch.num_rows:
+            touched = score_readings(batch.to_pandas(), devs, out, self.cfg, self.gold,
+                                     self.timeout_ms, self.rules)
+        latest = pc.max(t_us).as_py()
+        if latest is not None:  # the watermark this batch sets (a no-data batch's, in Spark)
+            wm = max(wm, latest // 1000 - self.delay_ms)
+        timed_out = time_out(devs, np.ones(len(devs.ids), dtype=bool), wm, self.timeout_ms, out)
+        changed = np.union1d(touched, timed_out)
+        add_current(devs, changed, out, self.metrics)
+        self.store.save(batch_id, changed)  # durable before anything of the batch commits
+        if out.parts:
+            self.write(df.sparkSession, out.frame(), batch_id)
+        note_batch(self.app_id, batch_id, state_rows=len(devs.ids),
+                   rows_dropped_by_watermark=rows.num_rows - batch.num_rows)
+
+    def write(self, spark: SparkSession, out: pd.DataFrame, batch_id: int) -> None:
+        """The four tables from the batch's output rows (built here in Arrow: no Spark job
+        before the writes), each written exactly once for (query id, batch id), at once."""
+        kind = out["kind"].to_numpy()
+        tables = {"readings_scored": scored(out[kind == "reading"], self.metrics)}
+        tables["anomalies"] = tables["readings_scored"].filter(
+            pc.fill_null(tables["readings_scored"].column("is_anomaly"), False))
+        hist = out[kind == "status"].rename(columns={"event_time": "changed_at"})
+        tables["device_status_history"] = arrow(hist, DEVICE_STATUS_HISTORY)
+        cur = out[kind == "current"]
+        cur = cur.assign(updated_at=pd.Timestamp.now(tz="UTC").tz_localize(None).as_unit("ns"))
+        schema = self.writer_current_schema
+        writes = [partial(append, arrow_frame(spark, t), self.writer.paths[name], self.app_id, batch_id)
+                  for name, t in tables.items() if t.num_rows]
+        if len(cur):
+            writes.append(partial(upsert, arrow_frame(spark, arrow(cur, schema)),
+                                  self.writer.paths["device_current"], ["device_id"], self.app_id, batch_id))
+        run_at_once(spark, writes)
+
+
+def arrow(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
+    """``frame``'s columns of ``schema`` as that schema (a column it lacks: nulls)."""
+    n = len(frame)
+    return pa.table([pa.Array.from_pandas(frame[f.name].to_numpy(), type=f.type) if f.name in frame
+                     else pa.nulls(n, f.type) for f in schema], schema=schema)
+
+
+def scored(readings: pd.DataFrame, metrics: tuple[str, ...]) -> pa.Table:
+    """``readings_scored``: the output's reading rows unpivoted, one row per present metric
+    (as ``gold.health.readings_scored`` does in Spark)."""
+    n, k = len(readings), len(metrics)
+
+    def stacked(suffix: str) -> np.ndarray:
+        return np.concatenate([readings[m + suffix].to_numpy() for m in metrics]) if k else np.zeros(0)
+
+    def floats(suffix: str) -> pa.Array:  # NaN (no value) as null, as pyspark hands it on
+        x = stacked(suffix).astype(np.float64)
+        return pa.array(x, pa.float64(), mask=np.isnan(x))
+
+    value = stacked("").astype(np.float64)
+    model = stacked("_model").astype(np.float64)  # index into MODELS, NaN: no model yet
+    names = np.where(np.isnan(model), None,
+                     np.array(MODELS, dtype=object)[np.nan_to_num(model, nan=0.0).astype(np.int64)])
+    t = pa.table({
+        "event_id": np.tile(readings["event_id"].to_numpy(), k),
+        "device_id": np.tile(readings["device_id"].to_numpy(), k),
+        "event_time": pa.array(np.tile(readings["event_time"].to_numpy(), k), READINGS_SCORED.field("event_time").type),
+        "metric": np.repeat(np.array(metrics, dtype=object), n),
+        "value": value, "score": floats("_score"), "baseline": floats("_baseline"),
+        "is_anomaly": pa.array(stacked("_anomaly"), pa.bool_()),
+        "anomaly_model": names,
+        "expected_low": floats("_low"), "expected_high": floats("_high"),
+    })
+    return t.filter(pa.array(~np.isnan(value))).cast(READINGS_SCORED)
