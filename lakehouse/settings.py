@@ -378,7 +378,7 @@ class GoldSettings(_Section):
     slide_every_seconds: int = Field(60, ge=60)
     # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the
     # first reached wins; at least one file): bounds a catch-up batch, whose rows the health
-    # stream holds in memory per state bucket. 0 bytes: files only.
+    # stream holds in memory (the driver's; a state bucket's in the state store). 0 bytes: files only.
     max_files_per_trigger: int = Field(100, ge=1)
     max_bytes_per_trigger: int = Field(64 << 20, ge=0)
     # Where the health stream keeps each device's state: "driver" (the driver's memory, a
