@@ -36,8 +36,8 @@ from pyspark.sql import functions as F
 
 from gold.anomaly import MODELS, DetectorConfig, state_fields
 from gold.health import (
+    TABLES,
     Bucket,
-    HealthBatch,
     Rows,
     Rules,
     add_current,
@@ -173,10 +173,11 @@ class DriverHealthBatch:
         self.delay_ms = settings.stream.watermark_seconds * 1000
         self.out_types = dict(c.split() for c in out_schema(self.metrics).split(", "))
         self.store = DeviceStateStore(checkpoint, self.metrics, self.cfg)
-        self.writer = HealthBatch(settings, app_id, current_columns)
+        self.paths = {t: settings.table_path(t) for t in TABLES}
+        # device_current's columns: the model's, and those of metrics removed from it since
         known = {f.name: f.type for f in device_current_schema(model)}
-        self.writer_current_schema = pa.schema([(c, known.get(c, pa.float64()))
-                                                for c in self.writer.current_columns])
+        self.current_schema = pa.schema([(c, known.get(c, pa.float64()))
+                                         for c in current_columns or list(known)])
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         late_wm = batch_watermark_ms(self.checkpoint, batch_id - 1) if batch_id > 0 else 0
@@ -216,12 +217,11 @@ class DriverHealthBatch:
         tables["device_status_history"] = arrow(hist, DEVICE_STATUS_HISTORY)
         cur = out[kind == "current"]
         cur = cur.assign(updated_at=pd.Timestamp.now(tz="UTC").tz_localize(None).as_unit("ns"))
-        schema = self.writer_current_schema
-        writes = [partial(append, arrow_frame(spark, t), self.writer.paths[name], self.app_id, batch_id)
+        writes = [partial(append, arrow_frame(spark, t), self.paths[name], self.app_id, batch_id)
                   for name, t in tables.items() if t.num_rows]
         if len(cur):
-            writes.append(partial(upsert, arrow_frame(spark, arrow(cur, schema)),
-                                  self.writer.paths["device_current"], ["device_id"], self.app_id, batch_id))
+            writes.append(partial(upsert, arrow_frame(spark, arrow(cur, self.current_schema)),
+                                  self.paths["device_current"], ["device_id"], self.app_id, batch_id))
         run_at_once(spark, writes)
 
 

@@ -68,6 +68,8 @@ from lakehouse.tables import (
 from lakehouse.telemetry import TelemetryModel
 
 QUERY = "gold_health"
+#: What the stream writes, in either mode.
+TABLES = ("readings_scored", "anomalies", "device_status_history", "device_current")
 #: Fixed per checkpoint; also the most shuffle partitions the stream can use. More buckets:
 #: less state rewritten when a micro-batch has fewer readings than buckets; fewer: less fixed
 #: cost per group (pyspark's conversions and ours). Measured with bench/gold_throughput.py;
@@ -501,8 +503,7 @@ class HealthBatch:
     """
 
     def __init__(self, settings: Settings, app_id: str, current_columns: list[str] | None = None) -> None:
-        self.paths = {t: settings.table_path(t) for t in
-                      ("readings_scored", "anomalies", "device_status_history", "device_current")}
+        self.paths = {t: settings.table_path(t) for t in TABLES}
         self.app_id = app_id
         self.metrics = settings.telemetry.gold_metrics
         # device_current's columns: the model's, and those of metrics removed from it since

@@ -383,9 +383,9 @@ class GoldSettings(_Section):
     max_bytes_per_trigger: int = Field(64 << 20, ge=0)
     # Where the health stream keeps each device's state: "driver" (the driver's memory, a
     # changelog in the checkpoint: gold/device_state.py; each batch goes to the driver, as
-    # silver's dedup index does) or "state_store" (Spark's RocksDB state store, by device
-    # bucket: for fleets whose batches a driver should not hold). A checkpoint keeps the mode
-    # it started with.
+    # silver's dedup index does; ~1.8 KB per device and gold metric, 53 MB for 10,000 devices
+    # of 3) or "state_store" (Spark's RocksDB state store, by device bucket: for fleets whose
+    # state or batches a driver should not hold). A checkpoint keeps the mode it started with.
     health_state: Literal["driver", "state_store"] = "driver"
 
     @model_validator(mode="after")
