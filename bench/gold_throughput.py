@@ -4,8 +4,10 @@ Writes ``--readings`` synthetic silver readings from ``--devices`` devices (ever
 every 10 s of event time; a few spikes, low batteries and errors) into a silver Delta table in
 ``--commits`` commits (one file each), then drains it through Delta's streaming source with
 ``availableNow`` and ``gold.max_files_per_trigger`` (``--max-files``; the default 1 makes every
-commit one micro-batch): the health stream alone, the window stream alone, then both at once. State size comes from the last
-progress' ``stateOperators`` (RocksDB). The same readings then go through Spark and Delta alone
+commit one micro-batch): the health stream alone, the window stream alone, then both at once.
+State size comes from the last progress' ``stateOperators`` (RocksDB), or from the files of the
+health stream's device state on the driver (``--health-state``: the setting's default unless
+given). The same readings then go through Spark and Delta alone
 (``health_floor_rows_per_s``: the health stream's buckets, state and Python round trip with a
 function that only counts; ``windows_floor_rows_per_s``: the same windows in append mode), each
 appended to one table as iotlake appends: the most this stack gives on this machine. ``--scaling`` repeats the health run at other device

@@ -2,8 +2,8 @@
 
 Spark's arbitrary-state operator costs every batch a shuffle by device bucket, a round trip
 of each bucket through a Python worker, its state (de)serialised per bucket and the output
-cached for four writes: about twice the work of scoring itself (docs/benchmarks.md, session
-47). Here a batch goes to the driver as Arrow, as silver's does for its dedup index, where one
+cached for four writes: about as much as the rest of the batch (docs/benchmarks.md). Here a
+batch goes to the driver as Arrow, as silver's does for its dedup index, where one
 column-wise ``Bucket`` holds every device and ``gold.health.score_readings`` scores the batch in
 one call; the four tables are written from the result.
 
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 #: detector states compress ~6x (a 10,000-device snapshot: ~8 MB instead of ~52)
 _IPC = pa.ipc.IpcWriteOptions(compression="lz4")
 
+
 class DeviceStateStore:
     """Every device's state by batch: in memory, and as a changelog with snapshots on disk."""
 
@@ -100,12 +101,6 @@ class DeviceStateStore:
             self.changed_since += len(changed)
         self.next_batch = batch_id + 1
 
-    @property
-    def nbytes(self) -> int:
-        d = self.devices
-        return 0 if d is None else sum(a.nbytes for a in (d.status_since, d.last_seen, d.timeout_at,
-                                                          d.values, d.anomaly_score, d.dets, d.det_set))
-
     def _files(self) -> list[tuple[int, str, Path]]:
         if not self.dir.exists():
             return []
@@ -138,7 +133,7 @@ class DeviceStateStore:
             sum(t.num_rows for t in tables)
         if tables:
             t = pa.concat_tables(tables, promote_options="default")
-            # the latest row of each device: positions of last occurrences, in first-seen order
+            # the latest row of each device (its last occurrence), in file order
             ids = t.column("device_id").to_numpy(zero_copy_only=False)
             _, first_of_reversed = np.unique(ids[::-1], return_index=True)
             t = t.take(np.sort(len(ids) - 1 - first_of_reversed))

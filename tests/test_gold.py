@@ -442,6 +442,10 @@ def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings
 
     with pytest.raises(ValueError, match="started with gold.health_state = 'driver'"):
         gold.health.start(spark, s, trigger="available_now")
+    legacy = with_state(gold_settings, "driver", "legacy")  # a checkpoint from before the setting
+    Path(legacy.checkpoint_path("gold_health"), "offsets").mkdir(parents=True)
+    with pytest.raises(ValueError, match="started with gold.health_state = 'state_store'"):
+        gold.health.start(spark, legacy, trigger="available_now")
 
 
 def test_device_state_comes_back_from_its_changelog_for_a_restart_or_a_replay(tmp_path) -> None:
