@@ -564,6 +564,10 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     from gold.windows import silver_stream
 
     ckpt = settings.checkpoint_path(QUERY)
+    mode = settings.gold.health_state
+    pin_mode(ckpt, "gold.health_state", mode,
+             "state_store" if Path(ckpt, "offsets").exists() else None,  # from before the setting
+             "rebuild gold into a new generation (iotlake reprocess)")
     current = device_current_schema(settings.telemetry)
     for name, schema in (("readings_scored", READINGS_SCORED), ("anomalies", ANOMALIES),
                          ("device_status_history", DEVICE_STATUS_HISTORY),
@@ -574,11 +578,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     current_path = settings.table_path("device_current")
     current_columns = add_missing_columns(spark, current_path, current)  # a gold metric added
     silver = silver_stream(spark, settings, columns=health_input(settings.telemetry))
-    mode = settings.gold.health_state
     app_id = query_id(ckpt)
-    pin_mode(ckpt, "gold.health_state", mode,
-             "state_store" if Path(ckpt, "offsets").exists() else None,  # from before the setting
-             "rebuild gold into a new generation (iotlake reprocess)")
     if mode == "driver":
         from gold.device_state import DriverHealthBatch, driver_frame
 
