@@ -48,6 +48,7 @@ from silver_throughput import PROFILES, floor_query, profile_model  # bench/ is 
 
 import gold.health
 import gold.windows
+from gold.device_state import state_files
 from lakehouse.delta_tables import spark_schema
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
@@ -153,14 +154,14 @@ def state_of(q: StreamingQuery) -> dict:
 def driver_state_of(settings: Settings) -> dict:
     """Devices and bytes on disk of the health stream's driver-held state (its last snapshot
     and the changes after it), when it runs in that mode."""
-    files = sorted(Path(settings.checkpoint_path("gold_health"), "device_state").glob("*.arrow"),
-                   key=lambda f: int(f.name.split(".")[0]))
-    snaps = [f for f in files if ".snapshot." in f.name]
+    files = state_files(Path(settings.checkpoint_path("gold_health"), "device_state"))
+    snaps = [(b, f) for b, kind, f in files if kind == "snapshot"]
     if not snaps:
         return {}
-    live = [f for f in files if int(f.name.split(".")[0]) >= int(snaps[-1].name.split(".")[0])]
-    with pa.memory_map(str(snaps[-1])) as src:
+    last, snap = snaps[-1]
+    with pa.memory_map(str(snap)) as src:
         devices = pa.ipc.open_file(src).read_all().num_rows
+    live = [f for b, _, f in files if b >= last]
     return {"state_rows": devices, "state_disk_mb": round(sum(f.stat().st_size for f in live) / 2**20, 1)}
 
 
@@ -371,7 +372,6 @@ def main(argv: list[str] | None = None) -> None:
             "health_floor_rows_per_s": main_run.get("health_floor", {}).get("rows_per_s"),
             "health_floor_rows_per_s_steady": main_run.get("health_floor", {}).get("rows_per_s_steady"),
             "windows_floor_rows_per_s": main_run.get("windows_floor", {}).get("rows_per_s"),
-            # health state is keyed by device bucket: state_rows counts buckets, not devices
             "health_state": s.gold.health_state,
             # state_store: rows are device buckets; driver: devices (state_disk_mb: its files)
             "state_rows": h.get("state_rows"), "state_buckets": gold.health.STATE_BUCKETS,

@@ -32,7 +32,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from gold.anomaly import MODELS, DetectorConfig, state_fields
 from gold.health import (
@@ -44,6 +43,7 @@ from gold.health import (
     bucket_of,
     devices_table,
     health_input,
+    node_death,
     out_schema,
     score_readings,
     time_out,
@@ -59,6 +59,13 @@ from lakehouse.tables import DEVICE_STATUS_HISTORY, READINGS_SCORED, device_curr
 log = logging.getLogger(__name__)
 #: detector states compress ~6x (a 10,000-device snapshot: ~8 MB instead of ~52)
 _IPC = pa.ipc.IpcWriteOptions(compression="lz4")
+
+
+def state_files(directory: Path) -> list[tuple[int, str, Path]]:
+    """(batch, "snapshot" or "changes", file) of a device state's files, by batch."""
+    if not directory.exists():
+        return []
+    return sorted((int(f.name.split(".")[0]), f.name.split(".")[1], f) for f in directory.glob("*.arrow"))
 
 
 class DeviceStateStore:
@@ -93,22 +100,13 @@ class DeviceStateStore:
                         devices_table(self.devices, self.metrics, None if snapshot else changed))
         if snapshot:
             # a replay of this batch starts from the snapshot before it: older files go
-            for b, _, f in self._files():
+            for b, _, f in state_files(self.dir):
                 if b < self.snapshot_batch:
                     f.unlink(missing_ok=True)
             self.snapshot_batch, self.changed_since = batch_id, 0
         else:
             self.changed_since += len(changed)
         self.next_batch = batch_id + 1
-
-    def _files(self) -> list[tuple[int, str, Path]]:
-        if not self.dir.exists():
-            return []
-        out = []
-        for f in self.dir.glob("*.arrow"):
-            b, kind, _ = f.name.split(".")
-            out.append((int(b), kind, f))
-        return sorted(out)
 
     def _write(self, name: str, table: pa.Table) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +116,7 @@ class DeviceStateStore:
         os.replace(tmp, self.dir / name)
 
     def _rebuild(self, batch_id: int) -> None:
-        files = self._files()
+        files = state_files(self.dir)
         for b, _, f in files:
             if b >= batch_id:  # a batch that did not commit (or is replayed now)
                 f.unlink()
@@ -129,8 +127,7 @@ class DeviceStateStore:
             if b > self.snapshot_batch or (b == self.snapshot_batch and kind == "snapshot"):
                 with pa.memory_map(str(f)) as src:
                     tables.append(pa.ipc.open_file(src).read_all())
-        self.changed_since = sum(t.num_rows for t in tables[1:]) if self.snapshot_batch >= 0 else \
-            sum(t.num_rows for t in tables)
+        self.changed_since = sum(t.num_rows for t in tables[1 if self.snapshot_batch >= 0 else 0:])
         if tables:
             t = pa.concat_tables(tables, promote_options="default")
             # the latest row of each device (its last occurrence), in file order
@@ -149,8 +146,7 @@ def driver_frame(silver: DataFrame, settings: Settings) -> DataFrame:
     model = settings.telemetry
     df = silver.select(*health_input(model))
     if model.sparkplug:  # a node's death (NDEATH) takes its devices offline
-        df = df.withColumn("node_death", F.coalesce(
-            F.get_json_object("extra", "$.message_type") == "NDEATH", F.lit(False))).drop("extra")
+        df = df.withColumn("node_death", node_death()).drop("extra")
     return df.withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
 
 

@@ -208,7 +208,7 @@ def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...] = METRICS,
         return t.column(name).fill_null(_NONE).to_numpy().copy()  # writable
 
     return Bucket(
-        t.column("device_id").to_numpy(zero_copy_only=False).astype(object),
+        t.column("device_id").to_numpy(zero_copy_only=False),
         t.column("status").to_numpy(zero_copy_only=False).astype(object),
         ints("status_since"), ints("last_seen"), ints("timeout_at"),
         values,
@@ -469,6 +469,11 @@ def health_input(model: TelemetryModel) -> list[str]:
             *(["extra"] if model.sparkplug else [])]
 
 
+def node_death() -> Column:
+    """Whether a Sparkplug row is an edge node's death (NDEATH: its devices go offline)."""
+    return F.coalesce(F.get_json_object("extra", "$.message_type") == "NDEATH", F.lit(False))
+
+
 def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
     model = settings.telemetry
     df = silver.select(*health_input(model))
@@ -479,9 +484,7 @@ def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
         node = F.get_json_object("extra", "$.sparkplug_node")
         key = F.when(node.isNotNull(), F.concat_ws("/", F.get_json_object("extra", "$.sparkplug_group"), node)
                      ).otherwise(F.col("device_id"))
-        df = (df.withColumn("node_death", F.coalesce(
-            F.get_json_object("extra", "$.message_type") == "NDEATH", F.lit(False)))
-              .withColumn("bucket_key", key).drop("extra"))
+        df = df.withColumn("node_death", node_death()).withColumn("bucket_key", key).drop("extra")
         key = F.col("bucket_key")
     return (
         df
