@@ -49,7 +49,7 @@ from gold.health import (
     time_out,
 )
 from lakehouse.concurrent_writes import run_at_once
-from lakehouse.delta_tables import append, upsert
+from lakehouse.delta_tables import append_table, upsert
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
@@ -208,7 +208,7 @@ class DriverHealthBatch:
         tables["device_status_history"] = arrow(hist, DEVICE_STATUS_HISTORY)
         cur = out[kind == "current"]
         cur = cur.assign(updated_at=pd.Timestamp.now(tz="UTC").tz_localize(None).as_unit("ns"))
-        writes = [partial(append, arrow_frame(spark, t), self.paths[name], self.app_id, batch_id)
+        writes = [partial(append_table, spark, t, self.paths[name], self.app_id, batch_id)
                   for name, t in tables.items() if t.num_rows]
         if len(cur):
             writes.append(partial(upsert, arrow_frame(spark, arrow(cur, self.current_schema)),

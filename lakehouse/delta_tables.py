@@ -30,7 +30,7 @@ from pyspark.sql.types import StructType
 from lakehouse import delta_txn
 from lakehouse.delta_read import open_table, table_exists
 from lakehouse.settings import Settings
-from lakehouse.spark import session_confs
+from lakehouse.spark import arrow_frame, session_confs
 from lakehouse.tables import STATS_COLUMNS_PROPERTY, column_properties, time_partitioning
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,16 @@ def append(df: DataFrame, path: str, app_id: str, batch_id: int, schema_evolutio
     if schema_evolution:
         w = w.option("mergeSchema", "true")
     retry_conflicts(lambda: w.save(path), f"append to {path}")
+
+
+def append_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, batch_id: int) -> None:
+    """``append`` of an Arrow table the driver holds: written by pyarrow and committed by
+    Delta's transaction where the table allows (``delta_txn.append_table``), else through
+    ``append``."""
+    if _committed(lambda: delta_txn.append_table(spark, table, path, app_id, batch_id),
+                  f"append to {path}"):
+        return
+    append(arrow_frame(spark, table), path, app_id, batch_id)
 
 
 def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int,

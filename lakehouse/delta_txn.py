@@ -20,9 +20,12 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from functools import reduce
 
-from pyspark.sql import DataFrame
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
+from lakehouse import parquet_files, storage
 from lakehouse.spark import session_confs
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,119 @@ def append_once(df: DataFrame, path: str, app_id: str, batch_id: int) -> None:
         if _txn_version(jvm, txn, app_id) >= batch_id:
             return
         _commit(jvm, txn, txn.writeFiles(df._jdf), [], app_id, batch_id, _write(jvm, "Append"))
+
+
+def append_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, batch_id: int) -> None:
+    """``append_once`` for an Arrow table the driver holds: its Parquet files written by pyarrow
+    (``lakehouse.parquet_files``, the statistics Delta would record), committed with Delta's
+    transaction like Delta's own files. ``SlowPath`` for object storage (Spark's writer reaches
+    it, with its credentials) and for tables whose writes need Delta's writer (``_file_plan``)."""
+    if storage.is_uri(path) or not table.num_rows:
+        raise SlowPath
+    with _api(spark) as jvm:
+        txn = _start(spark, path)
+        if not _fits(from_arrow_schema(table.schema), txn.metadata()):
+            raise SlowPath
+        if _txn_version(jvm, txn, app_id) >= batch_id:
+            return
+        part, values, stats, plain = _file_plan(spark, txn, table)
+        try:
+            files = parquet_files.write_files(
+                table, path, part, values, stats,
+                spark.conf.get("spark.sql.parquet.compression.codec", "snappy").lower(), plain)
+        except parquet_files.Unsupported as e:
+            log.debug("append to %s through Delta's writer: %s", path, e)
+            raise SlowPath from e
+        _write_metrics(spark, txn, files)
+        _commit(jvm, txn, [jvm.org.apache.spark.sql.delta.actions.Action.fromJson(f.add_json())
+                           for f in files], [], app_id, batch_id, _write(jvm, "Append"))
+
+
+#: writer features a commit of files written outside Delta's writer keeps intact; others
+#: (column mapping, identity columns, row tracking, clustering, ...) need Delta's writer
+_FILE_APPEND_FEATURES = frozenset({
+    "appendOnly", "invariants", "checkConstraints", "generatedColumns", "changeDataFeed",
+    "deletionVectors", "v2Checkpoint", "inCommitTimestamp", "domainMetadata",
+    "vacuumProtocolCheck", "checkpointProtection", "timestampNtz"})
+_PLAIN = "parquet.enable.dictionary#"
+
+
+def _file_plan(spark: SparkSession, txn, table: pa.Table):
+    """(partition column or None, its values per row, statistics columns, columns without
+    dictionary) for writing ``table``'s files; ``SlowPath`` where only Delta's writer knows how:
+    column mapping, constraints, identity or NOT NULL columns the data breaks, generated
+    columns other than a time-bucket partition (``lakehouse.tables.bucket_sql``), table
+    properties that change files or statistics, a session time zone other than UTC."""
+    jvm = spark._jvm
+    conv = jvm.scala.jdk.javaapi.CollectionConverters
+    metadata, protocol = txn.metadata(), txn.protocol()
+    config = dict(conv.asJava(metadata.configuration()))
+    features = protocol.writerFeatures()
+    if protocol.minWriterVersion() > 4 and not (
+            features.isDefined() and set(conv.asJava(features.get())) <= _FILE_APPEND_FEATURES):
+        raise SlowPath
+    if spark.conf.get("spark.sql.session.timeZone") not in ("UTC", "Etc/UTC", "Z"):
+        raise SlowPath
+    for key, value in config.items():
+        if key.startswith("delta.constraints.") or (key.startswith("parquet.") and not key.startswith(_PLAIN)):
+            raise SlowPath
+        if key in ("delta.columnMapping.mode",) and value != "none":
+            raise SlowPath
+        if key in ("delta.enableRowTracking", "delta.dataSkippingStringPrefixLength",
+                   "delta.randomizeFilePrefixes") and value not in ("false", str(parquet_files.STRING_PREFIX)):
+            raise SlowPath
+    fields = list(_table_fields(metadata).values())
+    partitions = list(_java_list(jvm, metadata.partitionColumns()))
+    names = set(table.column_names)
+    for f in fields:
+        if any(k.startswith(("delta.identity.", "delta.invariants")) for k in f.metadata):
+            raise SlowPath
+        generated = "delta.generationExpression" in f.metadata
+        if generated and f.name not in partitions:
+            raise SlowPath
+        if not f.nullable and not generated and (f.name not in names or table.column(f.name).null_count):
+            raise SlowPath
+    if len(partitions) > 1:
+        raise SlowPath
+    part, values = None, None
+    if partitions:
+        part = partitions[0]
+        expr = next((f.metadata.get("delta.generationExpression") for f in fields if f.name == part), None)
+        if expr is None or part in names:
+            raise SlowPath
+        try:
+            values = parquet_files.bucket_values(table, expr)
+        except parquet_files.Unsupported as e:
+            log.debug("append through Delta's writer: %s", e)
+            raise SlowPath from e
+    data_columns = [f.name for f in fields if f.name not in partitions]
+    listed = config.get("delta.dataSkippingStatsColumns")
+    if listed is not None:
+        stats = [c.strip().strip("`") for c in listed.split(",") if c.strip()]
+    else:
+        n = int(config.get("delta.dataSkippingNumIndexedCols", "32"))
+        stats = data_columns if n < 0 else data_columns[:n]
+    plain = [k[len(_PLAIN):] for k, v in config.items() if k.startswith(_PLAIN) and v == "false"]
+    return part, values, stats, plain
+
+
+def _write_metrics(spark: SparkSession, txn, files: list) -> None:
+    """The WRITE's operation metrics in the table's history (files, rows, bytes), as Delta's
+    writer records them; left out if Delta's API for them differs."""
+    try:
+        jvm = spark._jvm
+        values = {"numFiles": len(files), "numOutputRows": sum(f.rows for f in files),
+                  "numOutputBytes": sum(f.size for f in files)}
+        metrics = jvm.java.util.HashMap()
+        for name, value in values.items():
+            m = jvm.org.apache.spark.sql.execution.metric.SQLMetrics.createMetric(spark._jsc.sc(), name)
+            m.add(value)
+            metrics.put(name, m)
+        scala_map = jvm.scala.jdk.javaapi.CollectionConverters.asScala(metrics)
+        to_map = getattr(getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$"), "from")
+        txn.registerSQLMetrics(spark._jsparkSession, to_map(scala_map))
+    except Exception as e:  # noqa: BLE001 - history metrics only
+        log.debug("write metrics not recorded: %s", e)
 
 
 def upsert_whole(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id: int) -> None:
@@ -150,8 +266,8 @@ class _api:
     """Context: the session's JVM; Delta's errors (conflicts) pass through, an API that moved
     (another Delta release) turns the fast writes off for the process and raises ``SlowPath``."""
 
-    def __init__(self, df: DataFrame) -> None:
-        self.jvm = df.sparkSession._jvm
+    def __init__(self, df: DataFrame | SparkSession) -> None:
+        self.jvm = _session(df)._jvm
 
     def __enter__(self):
         if not enabled:
@@ -170,8 +286,12 @@ class _api:
         raise SlowPath from e
 
 
-def _start(df: DataFrame, path: str):
-    spark = df.sparkSession
+def _session(df: DataFrame | SparkSession) -> SparkSession:
+    return df if isinstance(df, SparkSession) else df.sparkSession
+
+
+def _start(df: DataFrame | SparkSession, path: str):
+    spark = _session(df)
     return spark._jvm.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, path).startTransaction()
 
 
@@ -184,8 +304,10 @@ def _java_list(jvm, seq) -> list:
 
 
 def _commit(jvm, txn, adds, removes: list, app_id: str, batch_id: int, op) -> None:
+    """Commit ``adds`` (a Scala sequence, or a list), ``removes`` and the batch's
+    ``SetTransaction``."""
     actions = jvm.java.util.ArrayList()
-    for a in [*_java_list(jvm, adds), *removes]:
+    for a in [*(adds if isinstance(adds, list) else _java_list(jvm, adds)), *removes]:
         actions.add(a)
     now = jvm.scala.Some(jvm.java.lang.Long.valueOf(int(time.time() * 1000)))
     actions.add(jvm.org.apache.spark.sql.delta.actions.SetTransaction(app_id, batch_id, now))

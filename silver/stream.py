@@ -38,7 +38,6 @@ from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
-from lakehouse.spark import arrow_frame
 from lakehouse.streams import (
     at_or_before,
     batch_watermark_ms,
@@ -263,7 +262,7 @@ class SilverBatchWriter:
         spark = df.sparkSession
         quality = self._quality(batch_id, now, out, reasons)
         run_at_once(spark, [
-            partial(delta_tables.append, arrow_frame(spark, data), self.paths[name], self.app_id, batch_id)
+            partial(delta_tables.append_table, spark, data, self.paths[name], self.app_id, batch_id)
             for name, data in ((TABLE, silver), (QUARANTINE_TABLE, quarantine), (QUALITY_TABLE, quality))
             if data.num_rows])
         if added is not None:
