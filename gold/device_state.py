@@ -48,8 +48,10 @@ from gold.health import (
     score_readings,
     time_out,
 )
+from lakehouse import delta_txn
 from lakehouse.concurrent_writes import run_at_once
-from lakehouse.delta_tables import append_table, upsert
+from lakehouse.delta_read import open_table
+from lakehouse.delta_tables import append_table, retry_conflicts, upsert
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
@@ -140,6 +142,34 @@ class DeviceStateStore:
         log.info("device state: %d devices at batch %s", len(self.devices.ids), batch_id)
 
 
+class CurrentTable:
+    """``device_current`` as the driver last committed it. A batch's changed devices replace
+    their rows and the table is rewritten whole from here (``delta_txn.replace_table``): no
+    read of the table and no join per batch. Another version than the one written last (a
+    compaction, a replayed batch, a restart), object storage or a large table: the batch's rows
+    are upserted into the table instead, which is read again before the next rewrite."""
+
+    def __init__(self, path: str, schema: pa.Schema, app_id: str) -> None:
+        self.path, self.schema, self.app_id = path, schema, app_id
+        self.rows: pa.Table | None = None
+        self.version: int | None = None
+
+    def write(self, spark: SparkSession, changed: pa.Table, batch_id: int) -> None:
+        if self.rows is None:
+            table = open_table(self.path)
+            self.version = table.version()
+            self.rows = table.to_pyarrow_table(columns=self.schema.names).cast(self.schema)
+        keep = pc.invert(pc.is_in(self.rows.column("device_id"), value_set=changed.column("device_id")))
+        rows = pa.concat_tables([self.rows.filter(keep), changed])
+        try:
+            version = retry_conflicts(lambda: delta_txn.replace_table(
+                spark, rows, self.path, self.app_id, batch_id, self.version), f"rewrite of {self.path}")
+        except delta_txn.SlowPath:
+            version = None
+            upsert(arrow_frame(spark, changed), self.path, ["device_id"], self.app_id, batch_id)
+        self.rows, self.version = (rows, version) if version is not None else (None, None)
+
+
 def driver_frame(silver: DataFrame, settings: Settings) -> DataFrame:
     """The health stream's input as the driver mode reads it, with Spark's event-time watermark
     (kept in the checkpoint's offsets log, which every run of a batch reads alike)."""
@@ -169,6 +199,7 @@ class DriverHealthBatch:
         known = {f.name: f.type for f in device_current_schema(model)}
         self.current_schema = pa.schema([(c, known.get(c, pa.float64()))
                                          for c in current_columns or list(known)])
+        self.current = CurrentTable(self.paths["device_current"], self.current_schema, app_id)
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         late_wm = batch_watermark_ms(self.checkpoint, batch_id - 1) if batch_id > 0 else 0
@@ -211,8 +242,7 @@ class DriverHealthBatch:
         writes = [partial(append_table, spark, t, self.paths[name], self.app_id, batch_id)
                   for name, t in tables.items() if t.num_rows]
         if len(cur):
-            writes.append(partial(upsert, arrow_frame(spark, arrow(cur, self.current_schema)),
-                                  self.paths["device_current"], ["device_id"], self.app_id, batch_id))
+            writes.append(partial(self.current.write, spark, arrow(cur, self.current_schema), batch_id))
         run_at_once(spark, writes)
 
 

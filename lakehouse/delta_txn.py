@@ -71,17 +71,50 @@ def append_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, b
             raise SlowPath
         if _txn_version(jvm, txn, app_id) >= batch_id:
             return
-        part, values, stats, plain = _file_plan(spark, txn, table)
-        try:
-            files = parquet_files.write_files(
-                table, path, part, values, stats,
-                spark.conf.get("spark.sql.parquet.compression.codec", "snappy").lower(), plain)
-        except parquet_files.Unsupported as e:
-            log.debug("append to %s through Delta's writer: %s", path, e)
-            raise SlowPath from e
-        _write_metrics(spark, txn, files)
-        _commit(jvm, txn, [jvm.org.apache.spark.sql.delta.actions.Action.fromJson(f.add_json())
-                           for f in files], [], app_id, batch_id, _write(jvm, "Append"))
+        _commit(jvm, txn, _file_actions(spark, txn, table, path), [], app_id, batch_id, _write(jvm, "Append"))
+
+
+def replace_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, batch_id: int,
+                  version: int | None) -> int | None:
+    """Replace every row of a small table with ``table`` (all its columns), written as
+    ``append_table`` writes, in one overwriting commit, if the table is still at ``version``
+    (the caller's rows being the table's then); returns the version committed, None if the
+    batch is committed already. ``SlowPath`` for another version, object storage, a table
+    whose checksum file does not list its files or that is larger than
+    ``WHOLE_REWRITE_MAX_BYTES``, or that needs Delta's writer."""
+    if storage.is_uri(path) or not table.num_rows:
+        raise SlowPath
+    with _api(spark) as jvm:
+        txn = _start(spark, path)
+        schema = from_arrow_schema(table.schema)
+        if not (_fits(schema, txn.metadata()) and _covers(schema, txn.metadata())):
+            raise SlowPath
+        if _txn_version(jvm, txn, app_id) >= batch_id:
+            return None
+        checksum = txn.snapshot().checksumOpt()
+        if (txn.snapshot().version() != version or not checksum.isDefined()
+                or not checksum.get().allFiles().isDefined()
+                or checksum.get().tableSizeBytes() > WHOLE_REWRITE_MAX_BYTES):
+            raise SlowPath
+        txn.readWholeTable()  # any commit meanwhile conflicts
+        files = _listed_files(jvm, txn)
+        return _commit(jvm, txn, _file_actions(spark, txn, table, path), [f.remove() for f in files],
+                       app_id, batch_id, _write(jvm, "Overwrite"))
+
+
+def _file_actions(spark: SparkSession, txn, table: pa.Table, path: str) -> list:
+    """``table`` written as the table's data files (``_file_plan``); their ``add`` actions, with
+    the write's metrics registered for the history."""
+    part, values, stats, plain = _file_plan(spark, txn, table)
+    try:
+        files = parquet_files.write_files(
+            table, path, part, values, stats,
+            spark.conf.get("spark.sql.parquet.compression.codec", "snappy").lower(), plain)
+    except parquet_files.Unsupported as e:
+        log.debug("write to %s through Delta's writer: %s", path, e)
+        raise SlowPath from e
+    _write_metrics(spark, txn, files)
+    return [spark._jvm.org.apache.spark.sql.delta.actions.Action.fromJson(f.add_json()) for f in files]
 
 
 #: writer features a commit of files written outside Delta's writer keeps intact; others
@@ -303,15 +336,15 @@ def _java_list(jvm, seq) -> list:
     return list(jvm.scala.jdk.javaapi.CollectionConverters.asJava(seq))
 
 
-def _commit(jvm, txn, adds, removes: list, app_id: str, batch_id: int, op) -> None:
+def _commit(jvm, txn, adds, removes: list, app_id: str, batch_id: int, op) -> int:
     """Commit ``adds`` (a Scala sequence, or a list), ``removes`` and the batch's
-    ``SetTransaction``."""
+    ``SetTransaction``; returns the version committed."""
     actions = jvm.java.util.ArrayList()
     for a in [*(adds if isinstance(adds, list) else _java_list(jvm, adds)), *removes]:
         actions.add(a)
     now = jvm.scala.Some(jvm.java.lang.Long.valueOf(int(time.time() * 1000)))
     actions.add(jvm.org.apache.spark.sql.delta.actions.SetTransaction(app_id, batch_id, now))
-    txn.commit(jvm.scala.jdk.javaapi.CollectionConverters.asScala(actions).toSeq(), op)
+    return txn.commit(jvm.scala.jdk.javaapi.CollectionConverters.asScala(actions).toSeq(), op)
 
 
 def _table_fields(metadata) -> dict:
