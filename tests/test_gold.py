@@ -483,3 +483,41 @@ def test_device_state_comes_back_from_its_changelog_for_a_restart_or_a_replay(tm
     assert files() == ["3.snapshot.arrow", "4.snapshot.arrow"]
     # batch 4 replayed: from batch 3's snapshot
     assert values(DeviceStateStore(ck, metrics, cfg), 4) == {"a": 5.0, "b": 1.0, "c": 4.0, "d": 4.0}
+
+
+def test_device_current_is_rewritten_from_the_driver_until_another_commit(spark, gold_settings) -> None:
+    from gold.device_state import CurrentTable
+    from lakehouse.delta_tables import ensure_named_table
+    from lakehouse.tables import device_current_schema
+
+    schema = device_current_schema(gold_settings.telemetry)
+    ensure_named_table(spark, gold_settings, "device_current", schema)
+    path = gold_settings.table_path("device_current")
+    cur = CurrentTable(path, schema, "health-app")
+
+    def rows(devices: str, temperature: float) -> pa.Table:
+        return pa.Table.from_pylist([dict(device_id=d, status="online", status_since=T0, last_seen=T0,
+                                          temperature=temperature, updated_at=T0) for d in devices],
+                                    schema=schema)
+
+    def table() -> dict[str, float]:
+        t = DeltaTable(path).to_pyarrow_table()
+        return dict(zip(t.column("device_id").to_pylist(), t.column("temperature").to_pylist(), strict=True))
+
+    cur.write(spark, rows("abc", 1.0), 0)
+    cur.write(spark, rows("cd", 2.0), 1)
+    assert table() == {"a": 1.0, "b": 1.0, "c": 2.0, "d": 2.0}
+    assert cur.rows is not None and cur.version == DeltaTable(path).version()
+    assert DeltaTable(path).history()[0]["operation"] == "WRITE" and len(DeltaTable(path).file_uris()) == 1
+
+    spark.sql(f"OPTIMIZE delta.`{path}`")  # another commit: the next batch upserts and reloads
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('iotlake.test' = 'x')")
+    cur.write(spark, rows("ae", 3.0), 2)
+    assert table() == {"a": 3.0, "b": 1.0, "c": 2.0, "d": 2.0, "e": 3.0}
+    assert cur.rows is None
+    version = DeltaTable(path).version()
+    cur.write(spark, rows("ae", 9.0), 2)  # a replayed batch: committed already
+    assert DeltaTable(path).version() == version and cur.rows is None
+    cur.write(spark, rows("b", 4.0), 3)  # reloaded, then rewritten from the driver again
+    assert table() == {"a": 3.0, "b": 4.0, "c": 2.0, "d": 2.0, "e": 3.0}
+    assert cur.version == DeltaTable(path).version() == version + 1
