@@ -48,7 +48,7 @@ from gold.health import (
     score_readings,
     time_out,
 )
-from lakehouse import delta_txn
+from lakehouse import delta_txn, storage
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import append_table, retry_conflicts, upsert
@@ -146,26 +146,32 @@ class CurrentTable:
     """``device_current`` as the driver last committed it. A batch's changed devices replace
     their rows and the table is rewritten whole from here (``delta_txn.replace_table``): no
     read of the table and no join per batch. Another version than the one written last (a
-    compaction, a replayed batch, a restart), object storage or a large table: the batch's rows
-    are upserted into the table instead, which is read again before the next rewrite."""
+    compaction, a replayed batch, a restart): the batch's rows are upserted into the table
+    instead, which is read again before the next rewrite. On object storage, or once the table
+    outgrows a whole rewrite, every batch upserts."""
 
     def __init__(self, path: str, schema: pa.Schema, app_id: str) -> None:
         self.path, self.schema, self.app_id = path, schema, app_id
         self.rows: pa.Table | None = None
         self.version: int | None = None
+        self.rewrite = not storage.is_uri(path)
 
     def write(self, spark: SparkSession, changed: pa.Table, batch_id: int) -> None:
-        if self.rows is None:
+        if self.rewrite and self.rows is None:
             table = open_table(self.path)
             self.version = table.version()
             self.rows = table.to_pyarrow_table(columns=self.schema.names).cast(self.schema)
-        keep = pc.invert(pc.is_in(self.rows.column("device_id"), value_set=changed.column("device_id")))
-        rows = pa.concat_tables([self.rows.filter(keep), changed])
-        try:
-            version = retry_conflicts(lambda: delta_txn.replace_table(
-                spark, rows, self.path, self.app_id, batch_id, self.version), f"rewrite of {self.path}")
-        except delta_txn.SlowPath:
-            version = None
+            self.rewrite = self.rows.nbytes <= delta_txn.WHOLE_REWRITE_MAX_BYTES
+        version = None
+        if self.rewrite:
+            keep = pc.invert(pc.is_in(self.rows.column("device_id"), value_set=changed.column("device_id")))
+            rows = pa.concat_tables([self.rows.filter(keep), changed])
+            try:
+                version = retry_conflicts(lambda: delta_txn.replace_table(
+                    spark, rows, self.path, self.app_id, batch_id, self.version), f"rewrite of {self.path}")
+            except delta_txn.SlowPath:
+                pass
+        if version is None:
             upsert(arrow_frame(spark, changed), self.path, ["device_id"], self.app_id, batch_id)
         self.rows, self.version = (rows, version) if version is not None else (None, None)
 
