@@ -48,7 +48,7 @@ from gold.health import (
     score_readings,
     time_out,
 )
-from lakehouse import delta_txn, storage
+from lakehouse import delta_txn
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import append_table, retry_conflicts, upsert
@@ -154,7 +154,7 @@ class CurrentTable:
         self.path, self.schema, self.app_id = path, schema, app_id
         self.rows: pa.Table | None = None
         self.version: int | None = None
-        self.rewrite = not storage.is_uri(path)
+        self.rewrite = delta_txn.local_table(path)
 
     def write(self, spark: SparkSession, changed: pa.Table, batch_id: int) -> None:
         if self.rewrite and self.rows is None:

@@ -5,7 +5,9 @@ Spark job per commit, which on small tables is most of the write. Each commit he
 it needs from the version's checksum file instead (the table's app transactions, and for small
 tables its data files: Delta lists them there up to 50 files), then writes and commits with
 Delta's own ``OptimisticTransaction``: the same files, statistics, generated columns, conflict
-checks and ``SetTransaction`` (exactly once per app id and batch) as Delta's commands.
+checks and ``SetTransaction`` (exactly once per app id and batch) as Delta's commands. Arrow
+tables the driver holds are written as Parquet by pyarrow instead (``lakehouse.parquet_files``)
+and committed the same way (``append_table``, ``replace_table``).
 
 Each function raises ``SlowPath`` where it does not apply (the caller then uses Delta's own
 command), and turns itself off for the process if Delta's API differs from delta-spark 4.4's.
@@ -63,7 +65,7 @@ def append_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, b
     (``lakehouse.parquet_files``, the statistics Delta would record), committed with Delta's
     transaction like Delta's own files. ``SlowPath`` for object storage (Spark's writer reaches
     it, with its credentials) and for tables whose writes need Delta's writer (``_file_plan``)."""
-    if storage.is_uri(path) or not table.num_rows:
+    if not local_table(path) or not table.num_rows:
         raise SlowPath
     with _api(spark) as jvm:
         txn = _start(spark, path)
@@ -82,7 +84,7 @@ def replace_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, 
     batch is committed already. ``SlowPath`` for another version, object storage, a table
     whose checksum file does not list its files or that is larger than
     ``WHOLE_REWRITE_MAX_BYTES``, or that needs Delta's writer."""
-    if storage.is_uri(path) or not table.num_rows:
+    if not local_table(path) or not table.num_rows:
         raise SlowPath
     with _api(spark) as jvm:
         txn = _start(spark, path)
@@ -100,6 +102,11 @@ def replace_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, 
         files = _listed_files(jvm, txn)
         return _commit(jvm, txn, _file_actions(spark, txn, table, path), [f.remove() for f in files],
                        app_id, batch_id, _write(jvm, "Overwrite"))
+
+
+def local_table(path: str) -> bool:
+    """A table the driver writes files of as a plain path (not object storage, not ``file:``)."""
+    return not storage.is_uri(path) and not path.startswith("file:")
 
 
 def _file_actions(spark: SparkSession, txn, table: pa.Table, path: str) -> list:
