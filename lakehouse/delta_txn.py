@@ -87,18 +87,12 @@ def replace_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, 
     if not local_table(path) or not table.num_rows:
         raise SlowPath
     with _api(spark) as jvm:
-        txn = _start(spark, path)
-        schema = from_arrow_schema(table.schema)
-        if not (_fits(schema, txn.metadata()) and _covers(schema, txn.metadata())):
-            raise SlowPath
-        if _txn_version(jvm, txn, app_id) >= batch_id:
+        txn = _upsert_txn(spark, from_arrow_schema(table.schema), path, app_id, batch_id)
+        if txn is None:
             return None
-        checksum = txn.snapshot().checksumOpt()
-        if (txn.snapshot().version() != version or not checksum.isDefined()
-                or not checksum.get().allFiles().isDefined()
-                or checksum.get().tableSizeBytes() > WHOLE_REWRITE_MAX_BYTES):
+        if (txn.snapshot().version() != version
+                or txn.snapshot().checksumOpt().get().tableSizeBytes() > WHOLE_REWRITE_MAX_BYTES):
             raise SlowPath
-        txn.readWholeTable()  # any commit meanwhile conflicts
         files = _listed_files(jvm, txn)
         return _commit(jvm, txn, _file_actions(spark, txn, table, path), [f.remove() for f in files],
                        app_id, batch_id, _write(jvm, "Overwrite"))
@@ -217,7 +211,7 @@ def upsert_whole(df: DataFrame, path: str, keys: Sequence[str], app_id: str, bat
     commit (an overwriting WRITE in the history). Two Spark jobs where a MERGE runs six after a
     log replay. Only while the table totals at most ``WHOLE_REWRITE_MAX_BYTES``."""
     with _api(df) as jvm:
-        txn = _upsert_txn(df, path, app_id, batch_id)
+        txn = _upsert_txn(df.sparkSession, df.schema, path, app_id, batch_id)
         if txn is None:
             return
         if txn.snapshot().checksumOpt().get().tableSizeBytes() > WHOLE_REWRITE_MAX_BYTES:
@@ -237,7 +231,7 @@ def replace_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, s
     Two Spark jobs where a MERGE runs six after a log replay. Only for files with statistics
     on ``column``."""
     with _api(df) as jvm:
-        txn = _upsert_txn(df, path, app_id, batch_id)
+        txn = _upsert_txn(df.sparkSession, df.schema, path, app_id, batch_id)
         if txn is None:
             return
         recent = [f for f in _listed_files(jvm, txn) if _reaches(f, column, since)]
@@ -247,18 +241,18 @@ def replace_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, s
         _commit(jvm, txn, adds, [f.remove() for f in recent], app_id, batch_id, _write(jvm, "Overwrite"))
 
 
-def _upsert_txn(df: DataFrame, path: str, app_id: str, batch_id: int):
+def _upsert_txn(spark: SparkSession, schema: StructType, path: str, app_id: str, batch_id: int):
     """A transaction for an upsert that rewrites files, None if the batch is committed already.
 
     ``SlowPath`` unless the checksum file lists the table's files (Delta does so for small
-    tables) and ``df`` carries every column (a MERGE's update keeps the columns its source
-    lacks). The whole table counts as read, so any commit another writer makes meanwhile
-    (compaction, retention) conflicts, as it does with a MERGE."""
-    txn = _start(df, path)
+    tables) and ``schema`` (the new rows') has every column (a MERGE's update keeps the columns
+    its source lacks). The whole table counts as read, so any commit another writer makes
+    meanwhile (compaction, retention) conflicts, as it does with a MERGE."""
+    txn = _start(spark, path)
     metadata = txn.metadata()
-    if not (_fits(df.schema, metadata) and _covers(df.schema, metadata)):
+    if not (_fits(schema, metadata) and _covers(schema, metadata)):
         raise SlowPath
-    if _txn_version(df.sparkSession._jvm, txn, app_id) >= batch_id:
+    if _txn_version(spark._jvm, txn, app_id) >= batch_id:
         return None
     checksum = txn.snapshot().checksumOpt()
     if not (checksum.isDefined() and checksum.get().allFiles().isDefined()):

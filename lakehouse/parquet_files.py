@@ -153,8 +153,8 @@ def write_files(table: pa.Table, root: str, partition_column: str | None,
         keys = pc.unique(partition_values).to_pylist()
         if any(not _SAFE_VALUE.match(k) for k in keys):
             raise Unsupported("a partition value Delta would escape")
-        groups = [({partition_column: k}, table.filter(pc.equal(partition_values, k))) if len(keys) > 1
-                  else ({partition_column: k}, table) for k in keys]
+        groups = [({partition_column: k}, table if len(keys) == 1 else
+                   table.filter(pc.equal(partition_values, k))) for k in keys]
     dictionary = [c for c in table.column_names if c not in set(plain)]
     out = []
     for values, part in groups:
