@@ -2,8 +2,11 @@
 
 Each field is read from its path in the JSON payload (``lakehouse.telemetry``): the top-level
 object is parsed once into a map, and a nested field is read from its top-level member with a
-JSON path. Top-level fields the model does not read are kept as JSON in ``extra``, so a device
-that sends a new field never fails. Parse problems become reasons, not exceptions: the row is
+JSON path, except nested metrics: a member holding some is parsed once into a struct of them,
+typed, and only a member that does not fit it (a value of another type or shape, a number in
+quotes) is read field by field, with the same result (but for a name twice in one member: the
+struct keeps the last, a JSON path the first). Top-level fields the model does not read are
+kept as JSON in ``extra``, so a device that sends a new field never fails. Parse problems become reasons, not exceptions: the row is
 routed to quarantine with them.
 
 The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
@@ -15,13 +18,15 @@ from __future__ import annotations
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import MapType, StringType
+from pyspark.sql.types import DoubleType, LongType, MapType, StringType, StructField, StructType
 
 from lakehouse.telemetry import TelemetryModel, topic_parts
 
 SCHEMA_VERSION = 1
 _PAYLOAD = MapType(StringType(), StringType())
 _DEFAULT = TelemetryModel()
+_UNFIT = "__iotlake_unfit"  # a typed member's corrupt-record column: it did not fit its struct
+_CAST = {"double": "double", "long": "bigint"}
 
 
 def parse_checks(model: TelemetryModel = _DEFAULT) -> tuple[tuple[str, str], ...]:
@@ -54,6 +59,38 @@ def field(path: str) -> Column:
     if rest:
         c = F.get_json_object(c, "$" + "".join(f"['{s}']" for s in rest))
     return c
+
+
+def nested_metrics(model: TelemetryModel) -> dict[str, StructType]:
+    """Per top-level member holding nested metrics, the struct of them at their paths, typed.
+    A member is left out (its metrics read by JSON path) when its paths cannot form one struct:
+    a metric that is also an object of others, or sibling names differing only in case (Spark's
+    resolver cannot tell those apart)."""
+    trees: dict[str, dict] = {}
+    broken: set[str] = set()
+    for mt in model.metrics:
+        top, *rest = mt.source.split(".")
+        if not rest:
+            continue
+        node = trees.setdefault(top, {})
+        for name in rest[:-1]:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                broken.add(top)
+                break
+        else:
+            dtype = LongType() if mt.type == "long" else DoubleType()
+            if node.setdefault(rest[-1], dtype) != dtype:
+                broken.add(top)
+
+    def struct(node: dict) -> StructType | None:
+        children = {k: struct(v) if isinstance(v, dict) else v for k, v in node.items()}
+        if len({k.lower() for k in node}) != len(node) or any(v is None for v in children.values()):
+            return None
+        return StructType([StructField(k, v) for k, v in children.items()])
+
+    structs = {top: struct(tree) for top, tree in trees.items() if top not in broken}
+    return {top: st for top, st in structs.items() if st is not None}
 
 
 def _epoch_number(raw: Column) -> Column:
@@ -99,9 +136,11 @@ def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column
     return parts.pop("device_id", None), parts
 
 
-def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, ...] = ()) -> DataFrame:
+def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, ...] = (),
+          typed: bool = True) -> DataFrame:
     """Bronze rows -> typed columns + ``parse_reasons`` (comma-joined, "" when parseable);
-    ``keep``: input columns passed through as they are.
+    ``keep``: input columns passed through as they are. ``typed=False`` reads nested metrics by
+    JSON path too (the reference the typed members are tested against).
 
     No higher-order functions with a lambda except for ``extra`` (only when a payload has more
     fields than the model reads): Spark interprets those row by row.
@@ -122,15 +161,35 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     # more than a day after bronze received the record (relative to ingest_time, so a replay routes
     # it the same). Kept, it would advance the watermark for everyone (later readings quarantined
     # as late) and overflow pandas' nanosecond timestamps in gold (a crash on every restart).
-    df = df.withColumn("_time", F.when(F.col("_time").between(
-        F.timestamp_seconds(F.lit(0)), F.col("ingest_time") + F.expr("INTERVAL 1 DAY")), F.col("_time")))
+    # (in microseconds: adding a day interval to a timestamp goes through a ZonedDateTime per row)
+    df = df.withColumn("_time", F.when(F.unix_micros("_time").between(
+        F.lit(0), F.unix_micros("ingest_time") + F.lit(86_400_000_000)), F.col("_time")))
     m = F.col("_m")
     ts = F.col("_raw_ts")
     event_time = F.col("_time")
     from_topic = F.col("_topic_device") if from_topic is not None else None
-    cast = {"double": "double", "long": "bigint"}
-    raw = {mt.name: field(mt.source) for mt in model.metrics}
-    metrics = {mt.name: raw[mt.name].try_cast(cast[mt.type]) for mt in model.metrics}
+    # A member holding nested metrics: parsed once, typed. Numbers as JSON numbers only (NaN and
+    # Infinity in quotes, numbers in quotes, other types) leave it unfit: read by JSON path, as
+    # the other fields, so both ways give the same values and reasons.
+    members = {}
+    for i, (top, struct) in enumerate(nested_metrics(model).items() if typed else ()):
+        df = df.withColumn(f"_n{i}", F.from_json(m[top], StructType(struct.fields).add(_UNFIT, StringType()), {
+            "mode": "PERMISSIVE", "columnNameOfCorruptRecord": _UNFIT, "allowNonNumericNumbers": "false"}))
+        members[top] = F.col(f"_n{i}")
+    metrics, wrong = {}, {}
+    for mt in model.metrics:
+        raw = field(mt.source)
+        value = raw.try_cast(_CAST[mt.type])
+        wrong[mt.name] = raw.isNotNull() & value.isNull()
+        top, *rest = mt.source.split(".")
+        if top in members:
+            fit, typed_value = members[top].isNotNull() & members[top][_UNFIT].isNull(), members[top]
+            for name in rest:
+                typed_value = typed_value[name]
+            # CASE WHEN: Spark evaluates (and shares) the JSON paths only on unfit rows
+            value = F.when(fit, typed_value).otherwise(value)
+            wrong[mt.name] = F.when(fit, F.lit(False)).otherwise(wrong[mt.name])
+        metrics[mt.name] = value
 
     from_payload = field(model.device_id_path) if model.device_id_path else None
     mismatch = (from_payload.isNotNull() & from_topic.isNotNull() & (from_payload != from_topic)) \
@@ -147,9 +206,11 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     device_id = F.col("_device")
     if model.event_id_path:
         event_id = field(model.event_id_path)
-    else:  # no id in the payload: the same device and raw payload are the same event
-        event_id = F.when(device_id.isNotNull(), F.md5(F.concat(
-            F.encode(device_id, "UTF-8"), F.lit(b"\x00"), F.col("value"))))
+    else:  # no id in the payload: the same device and raw payload are the same event (one
+        # column: inside CASE WHEN, Spark would compute the digest once per use)
+        df = df.withColumn("_event_id", F.when(device_id.isNotNull(), F.md5(F.concat(
+            F.encode(device_id, "UTF-8"), F.lit(b"\x00"), F.col("value")))))
+        event_id = F.col("_event_id")
     version = (field(model.schema_version_path).try_cast("int") if model.schema_version_path
                else F.lit(None).cast("int"))
 
@@ -161,8 +222,7 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     ]
     if mismatch is not None and model.on_device_mismatch == "quarantine":
         reasons.append(F.when(mismatch, F.lit("device_mismatch")))
-    reasons += [F.when(raw[n].isNotNull() & metrics[n].isNull(), F.lit(f"wrong_type:{n}"))
-                for n in model.metric_names]
+    reasons += [F.when(wrong[n], F.lit(f"wrong_type:{n}")) for n in model.metric_names]
     if model.schema_version_path:
         reasons.append(F.when(field(model.schema_version_path).isNotNull() & version.isNull(),
                               F.lit("wrong_type:schema_version")))

@@ -86,8 +86,10 @@ def validated(bronze: DataFrame, suite: Suite | None = None,
         log.warning("the suite %s checks columns the telemetry model does not parse: %s (null in "
                     "new rows)", suite.path, missing)
         parsed = parsed.withColumns({c: F.lit(None) for c in missing})
-    checks = failure_names(suite) if suite is not None else F.lit("")
-    found = F.col("parse_reasons")
+    # the suite's failures in a column of their own: used twice below, inside a CASE WHEN,
+    # Spark would evaluate the whole suite twice per row
+    parsed = parsed.withColumn("_checks", failure_names(suite) if suite is not None else F.lit(""))
+    found, checks = F.col("parse_reasons"), F.col("_checks")
     reasons = F.when(found == "not_json", found).otherwise(
         F.concat_ws(",", F.nullif(found, F.lit("")), F.nullif(checks, F.lit(""))))
     keyed = F.col("event_id").isNotNull() & F.col("event_time").isNotNull()
@@ -97,7 +99,7 @@ def validated(bronze: DataFrame, suite: Suite | None = None,
         .withColumn("dedup_key", F.when(keyed, F.col("event_id")).otherwise(
             F.concat_ws(":", F.lit("bronze"), "kafka_topic", "kafka_partition", "kafka_offset")))
         .withColumn("dedup_time", F.when(keyed, F.col("event_time")))
-        .drop("parse_reasons")
+        .drop("parse_reasons", "_checks")
     )
 
 

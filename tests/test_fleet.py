@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from lakehouse.telemetry import TelemetryModel
 from orchestration.cli import main as cli_main
 from silver.default_suite import default_suite
 from silver.expectations import DEFAULT_SUITE_PATH, load_suite
+from silver.parse import nested_metrics, parse
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
@@ -108,6 +111,99 @@ def test_topic_and_payload_must_name_the_same_device(spark) -> None:
     trusted = parsed(spark, TelemetryModel(on_device_mismatch="trust_topic"), records)
     assert [(r["device_id"], r["reasons"]) for r in trusted] == [
         ("dev-00010", ""), ("dev-00010", ""), ("dev-00009", "")]
+
+
+#: Nested members of several depths and types, a metric at the top, ids and times nested too.
+DEEP = {
+    "topic_pattern": "devices/{device_id}/telemetry", "device_id_path": "", "status_path": "",
+    "event_id_path": "meta.id", "event_time_path": "meta.ts", "schema_version_path": "v",
+    "metrics": [{"name": "a", "path": "r.a"}, {"name": "b", "path": "r.x.b", "type": "long"},
+                {"name": "c", "path": "r.x.c"}, {"name": "d", "path": "top"},
+                {"name": "e", "path": "s.e", "type": "long"}],
+}
+#: JSON values a device may put where a number belongs
+ODD_VALUES = ["1", "-2.5", "1e3", "1E-7", "1.0", "1500.0", "-0", "0.0", "12345678901234567890",
+              "9223372036854775807", "9223372036854775808", "-9223372036854775809", "1e400",
+              "-1e400", '"3.5"', '" 4 "', '"1e3"', '"NaN"', "NaN", '"Infinity"', "Infinity",
+              "-Infinity", '"INF"', '"-INF"', "true", "null", '"x"', "[]", "[1, 2]", "{}",
+              '{"q": 1}', '""', '"\u0661\u0662"', '"7"', "0.1", "2.5e-3"]
+
+
+def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[str, bytes]]:
+    """Payloads shaped by the model, with members and values of every kind: odd values, members
+    that are not objects, missing and duplicate keys, unknown fields, broken JSON."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        tree: dict = {}
+        for m in model.metrics:
+            if rng.random() < 0.1:
+                continue
+            node = tree
+            *parents, leaf = m.source.split(".")
+            for name in parents:
+                node = node.setdefault(name, {})
+            good = str(rng.randrange(5000)) if m.type == "long" else repr(round(rng.uniform(0, 99), 3))
+            node[leaf] = rng.choice(ODD_VALUES) if rng.random() < 0.15 else good
+        if model.event_id_path and rng.random() < 0.9:
+            tree.setdefault("meta", {})["id"] = f'"e{i}"'
+        if rng.random() < 0.9:  # mostly a good time, so most rows get as far as their metrics
+            *parents, leaf = model.event_time_path.split(".")
+            node = tree
+            for name in parents:
+                node = node.setdefault(name, {}) if isinstance(node.get(name, {}), dict) else {}
+            node[leaf] = str(1764071940 + i)
+        if rng.random() < 0.1:
+            tree[rng.choice(["extra", "fw", "r", "readings", "s"])] = rng.choice(ODD_VALUES)
+
+        def dump(node, top: bool = False) -> str:
+            if not isinstance(node, dict):
+                return node
+            items = [f'{json.dumps(k)}: {dump(v)}' for k, v in node.items()]
+            # a name twice at the top (inside a member, JSON paths take the first, the typed
+            # parse the last: JSON leaves it open, and no device should send it)
+            if top and items and rng.random() < 0.05:
+                items.append(items[0].split(":")[0] + ": " + rng.choice(ODD_VALUES))
+            return "{" + ", ".join(items) + "}"
+
+        text = dump(tree, top=True)
+        if rng.random() < 0.05:
+            text = text[: rng.randrange(1, max(2, len(text)))]  # truncated
+        topic = model.topic_pattern.replace("{device_id}", f"dev-{i % 7}")
+        out.append((re.sub(r"\{\w+\}", "s1", topic), text.encode()))
+    return out
+
+
+@pytest.mark.parametrize("model", [TelemetryModel(**PUMP), TelemetryModel(**DEEP)], ids=["pump", "deep"])
+def test_typed_members_parse_as_the_json_paths_do(spark, model) -> None:
+    """Nested metrics are read from one typed parse of their member; a member that does not fit
+    is read by JSON path. Both give the same columns and reasons as JSON paths alone, whatever
+    the payload holds."""
+    assert set(nested_metrics(model)) == ({"readings"} if model.topic_columns else {"r", "s"})
+    records = _odd_payloads(model, 600)
+    records += [(t, p.replace(b"readings", b"READINGS")) for t, p in records[:20]]
+    bronze = bronze_rows(spark, records).repartition(2)  # run as a stream would (no local folding)
+    typed = parse(bronze, model)
+    assert "__iotlake_unfit" in typed._jdf.queryExecution().executedPlan().toString()
+
+    def rows(df) -> list[tuple]:
+        return [tuple(repr(v) for v in r) for r in df.orderBy("kafka_offset").collect()]
+
+    got, reference = rows(typed), rows(parse(bronze, model, typed=False))
+    assert got == reference
+    reasons = " ".join(r[-1] for r in got)
+    first_metric = model.metrics[0].name
+    assert f"wrong_type:{first_metric}" in reasons and "not_json" in reasons
+    assert sum(r[-1] == "''" for r in got) > 100  # many rows parse cleanly too
+
+
+def test_members_that_cannot_be_one_struct_are_read_by_path() -> None:
+    clash = TelemetryModel(device_id_path="id", metrics=[
+        {"name": "a", "path": "r.Speed"}, {"name": "b", "path": "r.speed"}, {"name": "c", "path": "q.x"}])
+    assert list(nested_metrics(clash)) == ["q"]
+    nested = TelemetryModel(device_id_path="id", metrics=[
+        {"name": "a", "path": "r.x"}, {"name": "b", "path": "r.x.y"}, {"name": "c", "path": "top"}])
+    assert nested_metrics(nested) == {}
 
 
 def test_real_fleet_ids_pass_the_generated_suite(spark) -> None:
