@@ -102,6 +102,7 @@ class DedupIndex:
         self._watermark_ms = -(2**63)
         self._files: dict[int, int] = {}  # batch id -> max expiry_ms of its keys
         self.next_batch: int | None = None  # None: not loaded
+        self._pending: tuple[int, pa.Table, np.ndarray, np.ndarray] | None = None  # first_seen's fingerprints
 
     def __len__(self) -> int:
         """Live keys (expiry after the last watermark seen)."""
@@ -136,9 +137,14 @@ class DedupIndex:
             first = np.ones(len(rows), bool)
             first[order[1:]] = (sh[1:] != sh[:-1]) | (sl[1:] != sl[:-1])
             keep[rows] = first & ~self._member(hi, lo)
+        else:
+            hi = lo = np.empty(0, np.uint64)
         new = np.flatnonzero(keep & timed)
         added = pa.table([pc.take(keys, pa.array(new)),
                           pc.add(pc.take(times_ms, pa.array(new)), self.delay_ms)], schema=_SCHEMA)
+        # the new keys' fingerprints, for commit (hashing is most of a batch's cost here)
+        kept = keep[rows]
+        self._pending = (batch_id, added, hi[kept], lo[kept])
         return pa.array(keep, pa.bool_()), added
 
     def log(self, batch_id: int, added: pa.Table) -> None:
@@ -153,7 +159,11 @@ class DedupIndex:
 
     def commit(self, batch_id: int, added: pa.Table) -> None:
         """The batch committed: its keys join the index."""
-        self._add(added)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == batch_id and pending[1] is added:
+            self._add(added, pending[2], pending[3])
+        else:
+            self._add(added)
         if added.num_rows:
             self._files[batch_id] = pc.max(added.column("expiry_ms")).as_py()
         self.next_batch = batch_id + 1
@@ -172,10 +182,11 @@ class DedupIndex:
         wm = self._watermark_ms
         return self._main.member(hi, lo, wm) | self._fresh.member(hi, lo, wm)
 
-    def _add(self, added: pa.Table) -> None:
+    def _add(self, added: pa.Table, hi: np.ndarray | None = None, lo: np.ndarray | None = None) -> None:
         if not added.num_rows:
             return
-        hi, lo = fingerprints(added.column("key"))
+        if hi is None:
+            hi, lo = fingerprints(added.column("key"))
         exp = added.column("expiry_ms").to_numpy()
         order = np.argsort(hi, kind="stable")
         self._fresh = self._fresh.merged(_Run(hi[order], lo[order], exp[order]))
