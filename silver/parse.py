@@ -2,12 +2,12 @@
 
 Each field is read from its path in the JSON payload (``lakehouse.telemetry``): the top-level
 object is parsed once into a map, and a nested field is read from its top-level member with a
-JSON path, except nested metrics: a member holding some is parsed once into a struct of them,
-typed, and only a member that does not fit it (a value of another type or shape, a number in
-quotes) is read field by field, with the same result (but for a name twice in one member: the
-struct keeps the last, a JSON path the first). Top-level fields the model does not read are
-kept as JSON in ``extra``, so a device that sends a new field never fails. Parse problems become reasons, not exceptions: the row is
-routed to quarantine with them.
+JSON path, except nested metrics: the members holding some are parsed once into a struct of
+them, typed, and only a payload that does not fit it (a value of another type or shape, a
+number in quotes) has them read by JSON path, with the same result (but for a name sent twice:
+the struct keeps the last, the map and JSON paths the first). Top-level fields the model does
+not read are kept as JSON in ``extra``, so a device that sends a new field never fails. Parse
+problems become reasons, not exceptions: the row is routed to quarantine with them.
 
 The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
 matched against ``telemetry.topic_pattern``), or from both: when both name a device and they
@@ -89,6 +89,8 @@ def nested_metrics(model: TelemetryModel) -> dict[str, StructType]:
             return None
         return StructType([StructField(k, v) for k, v in children.items()])
 
+    lower = [top.lower() for top in trees]
+    broken |= {top for top in trees if lower.count(top.lower()) > 1}
     structs = {top: struct(tree) for top, tree in trees.items() if top not in broken}
     return {top: st for top, st in structs.items() if st is not None}
 
@@ -145,14 +147,26 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     No higher-order functions with a lambda except for ``extra`` (only when a payload has more
     fields than the model reads): Spark interprets those row by row.
     """
-    m = F.from_json(F.col("value").cast("string"), _PAYLOAD, {"mode": "PERMISSIVE"})
+    text = F.col("value").cast("string")
+    parsed = {"_m": F.from_json(text, _PAYLOAD, {"mode": "PERMISSIVE"})}
+    # Members holding nested metrics: parsed once more, typed (a struct of those members alone:
+    # the parser skips the rest). A payload in which a value has another type or shape (NaN,
+    # Infinity and numbers in quotes too) does not fit, and its metrics are read by JSON path,
+    # so both ways give the same values and reasons.
+    members = nested_metrics(model) if typed else {}
+    if members:
+        schema = StructType([StructField(top, struct) for top, struct in members.items()])
+        parsed["_n"] = F.from_json(text, schema.add(_UNFIT, StringType()), {
+            "mode": "PERMISSIVE", "columnNameOfCorruptRecord": _UNFIT, "allowNonNumericNumbers": "false"})
     if "headers" in bronze.columns:
         from_topic, topic_cols = topic_device(model)
     else:  # rows that did not come through Kafka: no topic
         from_topic, topic_cols = None, {n: F.lit(None).cast("string") for n in model.topic_columns}
     # Intermediate columns are computed once each (an expression used in several places would
     # be inlined into each).
-    df = (bronze.withColumn("_m", m)
+    # both parses in one projection (Spark runs from_json outside generated code: each
+    # projection holding one copies the row)
+    df = (bronze.withColumns(parsed)
           .withColumn("_raw_ts", F.trim(field(model.event_time_path)))
           .withColumn("_topic_device", from_topic if from_topic is not None else F.lit(None).cast("string")))
     df = df.withColumn("_num", _epoch_number(F.col("_raw_ts")))
@@ -168,14 +182,7 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     ts = F.col("_raw_ts")
     event_time = F.col("_time")
     from_topic = F.col("_topic_device") if from_topic is not None else None
-    # A member holding nested metrics: parsed once, typed. Numbers as JSON numbers only (NaN and
-    # Infinity in quotes, numbers in quotes, other types) leave it unfit: read by JSON path, as
-    # the other fields, so both ways give the same values and reasons.
-    members = {}
-    for i, (top, struct) in enumerate(nested_metrics(model).items() if typed else ()):
-        df = df.withColumn(f"_n{i}", F.from_json(m[top], StructType(struct.fields).add(_UNFIT, StringType()), {
-            "mode": "PERMISSIVE", "columnNameOfCorruptRecord": _UNFIT, "allowNonNumericNumbers": "false"}))
-        members[top] = F.col(f"_n{i}")
+    fit = F.col("_n").isNotNull() & F.col("_n")[_UNFIT].isNull() if members else None
     metrics, wrong = {}, {}
     for mt in model.metrics:
         raw = field(mt.source)
@@ -183,7 +190,7 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
         wrong[mt.name] = raw.isNotNull() & value.isNull()
         top, *rest = mt.source.split(".")
         if top in members:
-            fit, typed_value = members[top].isNotNull() & members[top][_UNFIT].isNull(), members[top]
+            typed_value = F.col("_n")[top]
             for name in rest:
                 typed_value = typed_value[name]
             # CASE WHEN: Spark evaluates (and shares) the JSON paths only on unfit rows

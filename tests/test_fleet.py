@@ -160,10 +160,11 @@ def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[st
             if not isinstance(node, dict):
                 return node
             items = [f'{json.dumps(k)}: {dump(v)}' for k, v in node.items()]
-            # a name twice at the top (inside a member, JSON paths take the first, the typed
-            # parse the last: JSON leaves it open, and no device should send it)
+            # a name twice, at the top and not two objects (the map and JSON paths take the
+            # first, the typed parse the last: JSON leaves it open, and no device should send it)
             if top and items and rng.random() < 0.05:
-                items.append(items[0].split(":")[0] + ": " + rng.choice(ODD_VALUES))
+                scalars = [v for v in ODD_VALUES if not v.startswith("{")]
+                items.append(items[0].split(":")[0] + ": " + rng.choice(scalars))
             return "{" + ", ".join(items) + "}"
 
         text = dump(tree, top=True)
@@ -204,6 +205,9 @@ def test_members_that_cannot_be_one_struct_are_read_by_path() -> None:
     nested = TelemetryModel(device_id_path="id", metrics=[
         {"name": "a", "path": "r.x"}, {"name": "b", "path": "r.x.y"}, {"name": "c", "path": "top"}])
     assert nested_metrics(nested) == {}
+    tops = TelemetryModel(device_id_path="id", metrics=[
+        {"name": "a", "path": "R.x"}, {"name": "b", "path": "r.y"}, {"name": "c", "path": "q.x"}])
+    assert list(nested_metrics(tops)) == ["q"]
 
 
 def test_real_fleet_ids_pass_the_generated_suite(spark) -> None:
