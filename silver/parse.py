@@ -25,7 +25,7 @@ from lakehouse.telemetry import TelemetryModel, topic_parts
 SCHEMA_VERSION = 1
 _PAYLOAD = MapType(StringType(), StringType())
 _DEFAULT = TelemetryModel()
-_UNFIT = "__iotlake_unfit"  # a typed member's corrupt-record column: it did not fit its struct
+_UNFIT = "__iotlake_unfit"  # the typed parse's corrupt-record column: the payload did not fit
 _CAST = {"double": "double", "long": "bigint"}
 
 
