@@ -1,13 +1,16 @@
 """Parse raw bronze payloads into silver's typed columns, as the telemetry model says.
 
-Each field is read from its path in the JSON payload (``lakehouse.telemetry``): the top-level
-object is parsed once into a map, and a nested field is read from its top-level member with a
-JSON path, except nested metrics: the members holding some are parsed once into a struct of
-them, typed, and only a payload that does not fit it (a value of another type or shape, a
-number in quotes) has them read by JSON path, with the same result (but for a name sent twice:
-the struct keeps the last, the map and JSON paths the first). Top-level fields the model does
-not read are kept as JSON in ``extra``, so a device that sends a new field never fails. Parse
-problems become reasons, not exceptions: the row is routed to quarantine with them.
+Each field is read from its path in the JSON payload (``lakehouse.telemetry``). The payload is
+parsed once into a struct of the model's fields, metrics typed (``payload_struct``). A payload
+that does not fit it (a value of another type or shape, a number in quotes, not JSON) is parsed
+into a map of its top-level members instead, a nested field read from its member with a JSON
+path, with the same result, but for two payloads no device should send: a name sent twice (the
+struct keeps the last, the map and JSON paths the first) and a number beyond a double's range
+at the top level (infinity in the struct, as nested; the map holds it as the text "Infinity",
+a wrong type). Top-level fields the model does not read are kept as JSON in ``extra``
+(found by counting the payload's keys; only then is the map parsed), so a device that sends a
+new field never fails. Parse problems become reasons, not exceptions: the row is routed to
+quarantine with them.
 
 The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
 matched against ``telemetry.topic_pattern``), or from both: when both name a device and they
@@ -61,38 +64,32 @@ def field(path: str) -> Column:
     return c
 
 
-def nested_metrics(model: TelemetryModel) -> dict[str, StructType]:
-    """Per top-level member holding nested metrics, the struct of them at their paths, typed.
-    A member is left out (its metrics read by JSON path) when its paths cannot form one struct:
-    a metric that is also an object of others, or sibling names differing only in case (Spark's
-    resolver cannot tell those apart)."""
-    trees: dict[str, dict] = {}
-    broken: set[str] = set()
-    for mt in model.metrics:
-        top, *rest = mt.source.split(".")
-        if not rest:
-            continue
-        node = trees.setdefault(top, {})
-        for name in rest[:-1]:
+def payload_struct(model: TelemetryModel) -> StructType | None:
+    """The model's payload fields as one struct at their paths: metrics typed, the other fields
+    strings (JSON text for objects and numbers, as the map holds them). None when the paths cannot
+    form one struct: a field that is also an object of others or read as two types, or names
+    differing only in case (Spark's resolver cannot tell those apart)."""
+    strings = [model.device_id_path, model.event_id_path, model.event_time_path, model.status_path,
+               model.schema_version_path]
+    fields = [(p, StringType()) for p in strings if p]
+    fields += [(m.source, LongType() if m.type == "long" else DoubleType()) for m in model.metrics]
+    tree: dict = {}
+    for path, dtype in fields:
+        *parents, leaf = path.split(".")
+        node = tree
+        for name in parents:
             node = node.setdefault(name, {})
             if not isinstance(node, dict):
-                broken.add(top)
-                break
-        else:
-            dtype = LongType() if mt.type == "long" else DoubleType()
-            if node.setdefault(rest[-1], dtype) != dtype:
-                broken.add(top)
+                return None
+        if node.setdefault(leaf, dtype) != dtype:
+            return None
 
     def struct(node: dict) -> StructType | None:
         children = {k: struct(v) if isinstance(v, dict) else v for k, v in node.items()}
         if len({k.lower() for k in node}) != len(node) or any(v is None for v in children.values()):
             return None
         return StructType([StructField(k, v) for k, v in children.items()])
-
-    lower = [top.lower() for top in trees]
-    broken |= {top for top in trees if lower.count(top.lower()) > 1}
-    structs = {top: struct(tree) for top, tree in trees.items() if top not in broken}
-    return {top: st for top, st in structs.items() if st is not None}
+    return struct(tree)
 
 
 def _epoch_number(raw: Column) -> Column:
@@ -125,49 +122,82 @@ def mqtt_topic() -> Column:
     return F.when(first["key"] == "mqtt_topic", first["value"].cast("string"))
 
 
-def topic_device(model: TelemetryModel) -> tuple[Column | None, dict[str, Column]]:
+def topic_levels(model: TelemetryModel) -> Column | None:
+    """The bronze record's MQTT topic split into its levels when it matches the model's topic
+    pattern (as many levels, the literal ones equal, the named ones not empty), else null; None
+    when the pattern names no part. (A split on "/" rather than a regular expression per part:
+    a fifth of the pump's parse.)"""
+    if not topic_parts(model.topic_pattern):
+        return None
+    pattern = model.topic_pattern.split("/")
+    levels = F.split(mqtt_topic(), "/")
+    fits = F.size(levels) == len(pattern)
+    for i, level in enumerate(pattern):
+        at = F.try_element_at(levels, F.lit(i + 1))
+        fits &= (at != "") if topic_parts(level) else (at == level)
+    return F.when(fits, levels)
+
+
+def topic_device(model: TelemetryModel, levels: Column | None = None) -> tuple[Column | None, dict[str, Column]]:
     """(device id, {topic part: value}) from the bridge's ``mqtt_topic`` header (the first header
-    it writes), matched against the model's topic pattern; nulls when the record has no such
-    header or its topic does not match."""
-    names = topic_parts(model.topic_pattern)
-    if not names:
+    it writes) as ``topic_levels`` splits it (``levels``: that column, computed once); nulls when
+    the record has no such header or its topic does not match."""
+    if levels is None:
+        levels = topic_levels(model)
+    if levels is None:
         return None, {}
-    topic = mqtt_topic()
-    regex = model.topic_regex()
-    parts = {n: F.nullif(F.regexp_extract(topic, regex, i + 1), F.lit("")) for i, n in enumerate(names)}
+    parts = {topic_parts(level)[0]: levels[i] for i, level in enumerate(model.topic_pattern.split("/"))
+             if topic_parts(level)}
     return parts.pop("device_id", None), parts
 
 
 def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, ...] = (),
           typed: bool = True) -> DataFrame:
     """Bronze rows -> typed columns + ``parse_reasons`` (comma-joined, "" when parseable);
-    ``keep``: input columns passed through as they are. ``typed=False`` reads nested metrics by
-    JSON path too (the reference the typed members are tested against).
+    ``keep``: input columns passed through as they are. ``typed=False`` reads every payload
+    from its map (the reference the typed parse is tested against).
 
     No higher-order functions with a lambda except for ``extra`` (only when a payload has more
     fields than the model reads): Spark interprets those row by row.
     """
     text = F.col("value").cast("string")
-    parsed = {"_m": F.from_json(text, _PAYLOAD, {"mode": "PERMISSIVE"})}
-    # Members holding nested metrics: parsed once more, typed (a struct of those members alone:
-    # the parser skips the rest). A payload in which a value has another type or shape (NaN,
-    # Infinity and numbers in quotes too) does not fit, and its metrics are read by JSON path,
-    # so both ways give the same values and reasons.
-    members = nested_metrics(model) if typed else {}
-    if members:
-        schema = StructType([StructField(top, struct) for top, struct in members.items()])
-        parsed["_n"] = F.from_json(text, schema.add(_UNFIT, StringType()), {
-            "mode": "PERMISSIVE", "columnNameOfCorruptRecord": _UNFIT, "allowNonNumericNumbers": "false"})
+    struct = payload_struct(model) if typed else None
     if "headers" in bronze.columns:
-        from_topic, topic_cols = topic_device(model)
+        levels = topic_levels(model)
+        if levels is not None:  # split once, read by every part
+            bronze = bronze.withColumn("_levels", levels)
+        from_topic, topic_cols = topic_device(model, F.col("_levels") if levels is not None else None)
     else:  # rows that did not come through Kafka: no topic
         from_topic, topic_cols = None, {n: F.lit(None).cast("string") for n in model.topic_columns}
     # Intermediate columns are computed once each (an expression used in several places would
-    # be inlined into each).
-    # both parses in one projection (Spark runs from_json outside generated code: each
-    # projection holding one copies the row)
-    df = (bronze.withColumns(parsed)
-          .withColumn("_raw_ts", F.trim(field(model.event_time_path)))
+    # be inlined into each; Spark runs from_json outside generated code, and each projection
+    # holding one copies the row).
+    known_fields = sorted(model.payload_fields())
+    as_map = F.from_json(text, _PAYLOAD, {"mode": "PERMISSIVE"})
+    if struct is None:
+        df, fit = bronze.withColumn("_m", as_map), None
+    else:
+        # The struct's fields are null where the payload lacks them; a payload in which a value
+        # has another type or shape (NaN, Infinity and numbers in quotes too) or that is not a
+        # JSON object does not fit, and is read from the map, so both ways give the same values
+        # and reasons. The map is parsed too when the payload has more keys than the model's
+        # fields found (its unknown fields go to ``extra``).
+        df = bronze.withColumn("_s", F.from_json(text, struct.add(_UNFIT, StringType()), {
+            "mode": "PERMISSIVE", "columnNameOfCorruptRecord": _UNFIT, "allowNonNumericNumbers": "false"}))
+        fit = F.col("_s").isNotNull() & F.col("_s")[_UNFIT].isNull()
+        found = sum((F.col("_s")[k].isNotNull().cast("int") for k in known_fields), F.lit(0))
+        df = df.withColumn("_m", F.when(~fit | (F.size(F.json_object_keys(text)) > found), as_map))
+
+    def at(path: str) -> Column:
+        """A payload field as a string: the struct's where the payload fits it, else the map's."""
+        if fit is None:
+            return field(path)
+        c = F.col("_s")
+        for name in path.split("."):
+            c = c[name]
+        return F.when(fit, c).otherwise(field(path))
+
+    df = (df.withColumn("_raw_ts", F.trim(at(model.event_time_path)))
           .withColumn("_topic_device", from_topic if from_topic is not None else F.lit(None).cast("string")))
     df = df.withColumn("_num", _epoch_number(F.col("_raw_ts")))
     df = df.withColumn("_time", _event_time(F.col("_num"), model.event_time_format))
@@ -179,26 +209,24 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     df = df.withColumn("_time", F.when(F.unix_micros("_time").between(
         F.lit(0), F.unix_micros("ingest_time") + F.lit(86_400_000_000)), F.col("_time")))
     m = F.col("_m")
+    is_json = m.isNotNull() if fit is None else fit | m.isNotNull()
     ts = F.col("_raw_ts")
     event_time = F.col("_time")
     from_topic = F.col("_topic_device") if from_topic is not None else None
-    fit = F.col("_n").isNotNull() & F.col("_n")[_UNFIT].isNull() if members else None
     metrics, wrong = {}, {}
     for mt in model.metrics:
         raw = field(mt.source)
         value = raw.try_cast(_CAST[mt.type])
         wrong[mt.name] = raw.isNotNull() & value.isNull()
-        top, *rest = mt.source.split(".")
-        if top in members:
-            typed_value = F.col("_n")[top]
-            for name in rest:
+        if fit is not None:  # CASE WHEN: the map's values only on rows that do not fit
+            typed_value = F.col("_s")
+            for name in mt.source.split("."):
                 typed_value = typed_value[name]
-            # CASE WHEN: Spark evaluates (and shares) the JSON paths only on unfit rows
             value = F.when(fit, typed_value).otherwise(value)
             wrong[mt.name] = F.when(fit, F.lit(False)).otherwise(wrong[mt.name])
         metrics[mt.name] = value
 
-    from_payload = field(model.device_id_path) if model.device_id_path else None
+    from_payload = at(model.device_id_path) if model.device_id_path else None
     mismatch = (from_payload.isNotNull() & from_topic.isNotNull() & (from_payload != from_topic)) \
         if from_payload is not None and from_topic is not None else None
     if from_payload is None:
@@ -212,32 +240,31 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
     df = df.withColumn("_device", device_id if device_id is not None else F.lit(None).cast("string"))
     device_id = F.col("_device")
     if model.event_id_path:
-        event_id = field(model.event_id_path)
+        event_id = at(model.event_id_path)
     else:  # no id in the payload: the same device and raw payload are the same event (one
         # column: inside CASE WHEN, Spark would compute the digest once per use)
         df = df.withColumn("_event_id", F.when(device_id.isNotNull(), F.md5(F.concat(
             F.encode(device_id, "UTF-8"), F.lit(b"\x00"), F.col("value")))))
         event_id = F.col("_event_id")
-    version = (field(model.schema_version_path).try_cast("int") if model.schema_version_path
+    version = (at(model.schema_version_path).try_cast("int") if model.schema_version_path
                else F.lit(None).cast("int"))
 
     reasons = [
-        F.when(m.isNull(), F.lit("not_json")),
-        F.when(m.isNotNull() & ~_nonempty(event_id), F.lit("missing_event_id")),
-        F.when(m.isNotNull() & ~_nonempty(ts), F.lit("missing_ts")),
+        F.when(~is_json, F.lit("not_json")),
+        F.when(is_json & ~_nonempty(event_id), F.lit("missing_event_id")),
+        F.when(is_json & ~_nonempty(ts), F.lit("missing_ts")),
         F.when(_nonempty(ts) & event_time.isNull(), F.lit("bad_ts")),
     ]
     if mismatch is not None and model.on_device_mismatch == "quarantine":
         reasons.append(F.when(mismatch, F.lit("device_mismatch")))
     reasons += [F.when(wrong[n], F.lit(f"wrong_type:{n}")) for n in model.metric_names]
     if model.schema_version_path:
-        reasons.append(F.when(field(model.schema_version_path).isNotNull() & version.isNull(),
+        reasons.append(F.when(at(model.schema_version_path).isNotNull() & version.isNull(),
                               F.lit("wrong_type:schema_version")))
     # Unknown fields are rare: filter the map only when it holds more than the known fields found.
-    known_fields = sorted(model.payload_fields())
     known = sum((m[k].isNotNull().cast("int") for k in known_fields), F.lit(0))
     extra = F.when(F.size(m) > known, F.map_filter(m, lambda k, _: ~k.isin(*known_fields)))
-    status = field(model.status_path) if model.status_path else F.lit(None).cast("string")
+    status = at(model.status_path) if model.status_path else F.lit(None).cast("string")
     return df.select(
         F.col("value"), F.col("topic").alias("kafka_topic"),
         F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"),

@@ -25,7 +25,7 @@ from lakehouse.telemetry import TelemetryModel
 from orchestration.cli import main as cli_main
 from silver.default_suite import default_suite
 from silver.expectations import DEFAULT_SUITE_PATH, load_suite
-from silver.parse import nested_metrics, parse
+from silver.parse import parse, payload_struct
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
@@ -134,53 +134,56 @@ def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[st
     that are not objects, missing and duplicate keys, unknown fields, broken JSON."""
     rng = random.Random(seed)
     out = []
+
+    def put(tree: dict, path: str, value: str) -> None:
+        *parents, leaf = path.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {}) if isinstance(node.get(name, {}), dict) else {}
+        node[leaf] = value
+
     for i in range(n):
         tree: dict = {}
         for m in model.metrics:
             if rng.random() < 0.1:
                 continue
-            node = tree
-            *parents, leaf = m.source.split(".")
-            for name in parents:
-                node = node.setdefault(name, {})
             good = str(rng.randrange(5000)) if m.type == "long" else repr(round(rng.uniform(0, 99), 3))
-            node[leaf] = rng.choice(ODD_VALUES) if rng.random() < 0.15 else good
-        if model.event_id_path and rng.random() < 0.9:
-            tree.setdefault("meta", {})["id"] = f'"e{i}"'
+            # (a number beyond a double's range at the top: infinity in the struct, a wrong type
+            # in the map, as silver.parse says)
+            odd = ODD_VALUES if "." in m.source else [v for v in ODD_VALUES if "e400" not in v]
+            put(tree, m.source, rng.choice(odd) if rng.random() < 0.15 else good)
+        device = f"dev-{i % 7}"
+        for path, good in ((model.event_id_path, f'"e{i}"'), (model.device_id_path, f'"{device}"'),
+                           (model.status_path, '"ok"'), (model.schema_version_path, "1")):
+            if path and rng.random() < 0.9:
+                put(tree, path, good if rng.random() < 0.9 else rng.choice(ODD_VALUES + ['"dev-0"']))
         if rng.random() < 0.9:  # mostly a good time, so most rows get as far as their metrics
-            *parents, leaf = model.event_time_path.split(".")
-            node = tree
-            for name in parents:
-                node = node.setdefault(name, {}) if isinstance(node.get(name, {}), dict) else {}
-            node[leaf] = str(1764071940 + i)
-        if rng.random() < 0.1:
-            tree[rng.choice(["extra", "fw", "r", "readings", "s"])] = rng.choice(ODD_VALUES)
+            put(tree, model.event_time_path, str(1764071940 + i) if rng.random() < 0.8
+                else f'"2025-11-25T11:{i % 60:02d}:00Z"')
+        if rng.random() < 0.1:  # an unknown field, or a member of another shape
+            tree[rng.choice(["extra", "fw", "r", "readings", "s", "ts"])] = rng.choice(ODD_VALUES)
 
-        def dump(node, top: bool = False) -> str:
+        def dump(node) -> str:
             if not isinstance(node, dict):
                 return node
-            items = [f'{json.dumps(k)}: {dump(v)}' for k, v in node.items()]
-            # a name twice, at the top and not two objects (the map and JSON paths take the
-            # first, the typed parse the last: JSON leaves it open, and no device should send it)
-            if top and items and rng.random() < 0.05:
-                scalars = [v for v in ODD_VALUES if not v.startswith("{")]
-                items.append(items[0].split(":")[0] + ": " + rng.choice(scalars))
-            return "{" + ", ".join(items) + "}"
+            # (no name twice: the struct keeps the last, the map the first, as silver.parse says)
+            return "{" + ", ".join(f'{json.dumps(k)}: {dump(v)}' for k, v in node.items()) + "}"
 
-        text = dump(tree, top=True)
+        text = dump(tree)
         if rng.random() < 0.05:
             text = text[: rng.randrange(1, max(2, len(text)))]  # truncated
-        topic = model.topic_pattern.replace("{device_id}", f"dev-{i % 7}")
+        topic = model.topic_pattern.replace("{device_id}", device)
         out.append((re.sub(r"\{\w+\}", "s1", topic), text.encode()))
     return out
 
 
-@pytest.mark.parametrize("model", [TelemetryModel(**PUMP), TelemetryModel(**DEEP)], ids=["pump", "deep"])
-def test_typed_members_parse_as_the_json_paths_do(spark, model) -> None:
-    """Nested metrics are read from one typed parse of their member; a member that does not fit
-    is read by JSON path. Both give the same columns and reasons as JSON paths alone, whatever
-    the payload holds."""
-    assert set(nested_metrics(model)) == ({"readings"} if model.topic_columns else {"r", "s"})
+@pytest.mark.parametrize("model", [TelemetryModel(**PUMP), TelemetryModel(**DEEP), TelemetryModel()],
+                         ids=["pump", "deep", "sensor"])
+def test_the_typed_parse_reads_payloads_as_the_map_does(spark, model) -> None:
+    """Payloads are read from one typed parse of the model's fields; a payload that does not fit
+    it is read from its map of members and JSON paths. Both give the same columns and reasons as
+    the map alone, whatever the payload holds."""
+    assert payload_struct(model) is not None
     records = _odd_payloads(model, 600)
     records += [(t, p.replace(b"readings", b"READINGS")) for t, p in records[:20]]
     bronze = bronze_rows(spark, records).repartition(2)  # run as a stream would (no local folding)
@@ -198,16 +201,20 @@ def test_typed_members_parse_as_the_json_paths_do(spark, model) -> None:
     assert sum(r[-1] == "''" for r in got) > 100  # many rows parse cleanly too
 
 
-def test_members_that_cannot_be_one_struct_are_read_by_path() -> None:
-    clash = TelemetryModel(device_id_path="id", metrics=[
-        {"name": "a", "path": "r.Speed"}, {"name": "b", "path": "r.speed"}, {"name": "c", "path": "q.x"}])
-    assert list(nested_metrics(clash)) == ["q"]
-    nested = TelemetryModel(device_id_path="id", metrics=[
-        {"name": "a", "path": "r.x"}, {"name": "b", "path": "r.x.y"}, {"name": "c", "path": "top"}])
-    assert nested_metrics(nested) == {}
-    tops = TelemetryModel(device_id_path="id", metrics=[
-        {"name": "a", "path": "R.x"}, {"name": "b", "path": "r.y"}, {"name": "c", "path": "q.x"}])
-    assert list(nested_metrics(tops)) == ["q"]
+def test_fields_that_cannot_be_one_struct_are_read_from_the_map() -> None:
+    """Paths that cannot form one struct: the payload is read from its map, as ``typed=False``."""
+    fine = TelemetryModel(device_id_path="id", metrics=[{"name": "a", "path": "r.x"}, {"name": "c", "path": "q.x"}])
+    assert payload_struct(fine).simpleString() == (
+        "struct<id:string,event_id:string,ts:string,status:string,schema_version:string,"
+        "r:struct<x:double>,q:struct<x:double>>")
+    for metrics, ids in (
+            ([{"name": "a", "path": "r.Speed"}, {"name": "b", "path": "r.speed"}], {}),  # case
+            ([{"name": "a", "path": "r.x"}, {"name": "b", "path": "r.x.y"}], {}),  # leaf and object
+            ([{"name": "a", "path": "R.x"}, {"name": "b", "path": "r.y"}], {}),  # tops by case
+            ([{"name": "a", "path": "id"}], {}),  # a metric and the id: two types
+            ([{"name": "a", "path": "r.x"}], {"event_id_path": "r"}),  # a string and an object
+    ):
+        assert payload_struct(TelemetryModel(**{"device_id_path": "id", **ids, "metrics": metrics})) is None
 
 
 def test_real_fleet_ids_pass_the_generated_suite(spark) -> None:
