@@ -9,8 +9,8 @@ watermark) at a cost proportional to the batch, plus a merge of every live key o
 dozen batches. Silver passes ``delay_ms = 0``: it quarantines rows at or before the watermark
 as late before asking the index.
 
-Each key is held as a 128-bit fingerprint (two SipHash-2-4 digests, pandas' ``hash_array``) and
-its expiry: 24 bytes in sorted NumPy arrays, none of them a Python object per key. So the
+Each key is held as a 128-bit fingerprint (XXH64 of its UTF-8 bytes under two seeds, which
+Spark's ``xxhash64`` computes on the executors: ``fingerprint_columns``) and its expiry: 24 bytes in sorted NumPy arrays, none of them a Python object per key. So the
 driver's memory is flat once the watermark's worth of keys is live (rate x (watermark delay +
 the stream's lag) keys: 72 MB for 3M keys at 5,000 events/s and 600 s), with no allocator
 fragmentation or dict resizing to make it creep. Two different ids share a fingerprint with
@@ -32,18 +32,36 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pandas.util import hash_array
+import xxhash
+from pyspark.sql import Column
+from pyspark.sql import functions as F
 
 log = logging.getLogger(__name__)
 
 _SCHEMA = pa.schema([("key", pa.string()), ("expiry_ms", pa.int64())])
-_HASH_KEYS = ("iotlake-dedup-hi", "iotlake-dedup-lo")  # 16 bytes each: SipHash's key
+_SPARK_SEED = 42  # the seed of Spark's xxhash64
+_LOW_SALT = "iotlake-dedup-lo"
+# Spark's xxhash64(a, b) hashes b with a's hash as the seed: the low half's seed
+_LOW_SEED = xxhash.xxh64_intdigest(_LOW_SALT.encode(), _SPARK_SEED)
+
+
+def fingerprint_columns(key: str) -> tuple[Column, Column]:
+    """(high, low) halves of the key column's fingerprints, computed by Spark (signed 64-bit:
+    ``from_spark`` reads them)."""
+    return F.xxhash64(key), F.xxhash64(F.lit(_LOW_SALT), key)
+
+
+def from_spark(hi: pa.ChunkedArray | pa.Array, lo: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """``fingerprint_columns``' values as ``fingerprints`` returns them."""
+    return tuple(np.asarray(c.to_numpy()).view(np.uint64) for c in (hi, lo))
 
 
 def fingerprints(keys: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(high, low) 64-bit halves of each key's 128-bit fingerprint."""
-    values = keys.to_numpy(zero_copy_only=False)
-    return tuple(hash_array(values, hash_key=k, categorize=False) for k in _HASH_KEYS)
+    """(high, low) 64-bit halves of each key's 128-bit fingerprint, as Spark computes them (a
+    rebuild from the changelog, and keys that did not come from Spark)."""
+    values = [k.encode() for k in keys.to_pylist()]
+    return tuple(np.fromiter((xxhash.xxh64_intdigest(v, seed) for v in values), np.uint64, len(values))
+                 for seed in (_SPARK_SEED, _LOW_SEED))
 
 
 class _Run:
@@ -88,6 +106,20 @@ class _Run:
         return found
 
 
+def _first_in_batch(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Whether each fingerprint is the first of its value in the batch."""
+    order = np.argsort(hi, kind="stable")
+    sh = hi[order]
+    first = np.ones(len(hi), bool)
+    tie = np.flatnonzero(sh[1:] == sh[:-1])
+    if len(tie):  # equal high halves (duplicates, almost always): by both halves, then row
+        rows = order[np.union1d(tie, tie + 1)]
+        rows = rows[np.lexsort((rows, lo[rows], hi[rows]))]
+        again = (hi[rows][1:] == hi[rows][:-1]) & (lo[rows][1:] == lo[rows][:-1])
+        first[rows[1:][again]] = False
+    return first
+
+
 class DedupIndex:
     """Fingerprints of live keys with their expiry (epoch ms), rebuilt from the changelog.
 
@@ -119,8 +151,10 @@ class DedupIndex:
 
     # ---- per batch ---------------------------------------------------------------------------
     def first_seen(self, batch_id: int, keys: pa.ChunkedArray | pa.Array,
-                   times_ms: pa.ChunkedArray | pa.Array, watermark_ms: int) -> tuple[pa.Array, pa.Table]:
+                   times_ms: pa.ChunkedArray | pa.Array, watermark_ms: int,
+                   prints: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[pa.Array, pa.Table]:
         """(mask of rows to keep, their new keys with expiry) for one batch, index unchanged.
+        ``prints``: the keys' ``fingerprints``, where Spark computed them.
 
         Rows with a null time are never duplicates (they have no event time to expire by).
         What expired at or before ``watermark_ms`` is forgotten."""
@@ -131,12 +165,11 @@ class DedupIndex:
         keep = np.ones(len(timed), bool)
         rows = np.flatnonzero(timed)
         if len(rows):
-            hi, lo = fingerprints(pc.take(keys, pa.array(rows)))
-            order = np.lexsort((lo, hi))  # stable: equal fingerprints keep their row order
-            sh, sl = hi[order], lo[order]
-            first = np.ones(len(rows), bool)
-            first[order[1:]] = (sh[1:] != sh[:-1]) | (sl[1:] != sl[:-1])
-            keep[rows] = first & ~self._member(hi, lo)
+            if prints is None:
+                hi, lo = fingerprints(pc.take(keys, pa.array(rows)))
+            else:
+                hi, lo = prints[0][rows], prints[1][rows]
+            keep[rows] = _first_in_batch(hi, lo) & ~self._member(hi, lo)
         else:
             hi = lo = np.empty(0, np.uint64)
         new = np.flatnonzero(keep & timed)

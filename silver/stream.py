@@ -49,7 +49,7 @@ from lakehouse.streams import (
 )
 from lakehouse.tables import QUALITY_LOG, QUARANTINE, silver_schema
 from lakehouse.telemetry import TelemetryModel
-from silver.dedup import DedupIndex
+from silver.dedup import DedupIndex, fingerprint_columns, from_spark
 from silver.expectations import (
     Suite,
     arrow_quality,
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 TABLE, QUARANTINE_TABLE, QUALITY_TABLE = "silver", "quarantine", "quality_log"
 _DEDUP_OP = "StreamingDeduplicateWithinWatermark"
+_PRINTS = ("_print_hi", "_print_lo")  # the dedup index's fingerprints of dedup_key
 
 
 def validated(bronze: DataFrame, suite: Suite | None = None,
@@ -239,8 +240,10 @@ class SilverBatchWriter:
         if self.index is not None:
             # one pass to the driver; the raw payload rides along only for rows bound to quarantine
             late_cond = F.col("dedup_time").isNotNull() & at_or_before(F.col("dedup_time"), late_wm * 1000)
-            out = df.withColumn("value", F.when((F.col("reasons") != "") | late_cond,
-                                                F.col("value"))).toArrow()
+            # the dedup keys' fingerprints hashed by the executors, not the driver's one core
+            prints = dict(zip(_PRINTS, fingerprint_columns("dedup_key"), strict=True))
+            out = df.withColumns({"value": F.when((F.col("reasons") != "") | late_cond, F.col("value")),
+                                  **prints}).toArrow()
             rows_in = out.num_rows
             if rows_in == 0:
                 self.last_counts = {}
@@ -327,7 +330,8 @@ class SilverBatchWriter:
         kept = out.filter(on_time)
         late = out.filter(pc.invert(on_time))
         t_ms = pc.divide(pc.cast(kept.column("dedup_time"), pa.int64()), 1000)
-        first, added = self.index.first_seen(batch_id, kept.column("dedup_key"), t_ms, late_wm)
+        prints = from_spark(*(kept.column(c) for c in _PRINTS))
+        first, added = self.index.first_seen(batch_id, kept.column("dedup_key"), t_ms, late_wm, prints)
         return kept.filter(first), late, added
 
     def _quarantine(self, rows: pa.Table, now: datetime, reason: str | None = None) -> pa.Table:
