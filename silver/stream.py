@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
@@ -257,8 +258,9 @@ class SilverBatchWriter:
             return
         reasons = out.column("reasons")
         bad = pc.not_equal(reasons, "")
-        silver = out.filter(pc.invert(bad)).select(self.schema.names).cast(self.schema)
-        quarantine = self._quarantine(out.filter(bad), now)
+        silver = out.select(self.schema.names).filter(pc.invert(bad)).cast(self.schema)
+        quarantine = self._quarantine(
+            out.select([n for n in (*QUARANTINE.names, "reasons") if n in out.column_names]).filter(bad), now)
         if late.num_rows:
             quarantine = pa.concat_tables([quarantine, late])
         self.last_counts = {"rows_in": rows_in, "silver": silver.num_rows,
@@ -327,12 +329,19 @@ class SilverBatchWriter:
         """(on-time first occurrences, late rows, keys the batch adds to the index)."""
         t_us = pc.cast(out.column("dedup_time"), pa.int64())
         on_time = pc.or_kleene(pc.is_null(t_us), pc.greater(t_us, late_wm * 1000))
-        kept = out.filter(on_time)
-        late = out.filter(pc.invert(on_time))
-        t_ms = pc.divide(pc.cast(kept.column("dedup_time"), pa.int64()), 1000)
-        prints = from_spark(*(kept.column(c) for c in _PRINTS))
-        first, added = self.index.first_seen(batch_id, kept.column("dedup_key"), t_ms, late_wm, prints)
-        return kept.filter(first), late, added
+        # the few columns the index reads, then one filter of the whole table
+        cols = pa.table({"key": out.column("dedup_key"), "t_ms": pc.divide(t_us, 1000),
+                         **{c: out.column(c) for c in _PRINTS}})
+        on = on_time.to_numpy(zero_copy_only=False)
+        late = out.slice(0, 0)
+        if not on.all():
+            cols, late = cols.filter(on_time), out.filter(pc.invert(on_time))
+        prints = from_spark(*(cols.column(c) for c in _PRINTS))
+        first, added = self.index.first_seen(batch_id, cols.column("key"), cols.column("t_ms"),
+                                             late_wm, prints)
+        keep = np.zeros(len(on), bool)
+        keep[np.flatnonzero(on)] = first.to_numpy(zero_copy_only=False)
+        return out.filter(pa.array(keep)), late, added
 
     def _quarantine(self, rows: pa.Table, now: datetime, reason: str | None = None) -> pa.Table:
         cols = {n: rows.column(n) for n in QUARANTINE.names if n in rows.column_names}
