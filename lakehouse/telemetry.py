@@ -225,12 +225,6 @@ class TelemetryModel(_Model):
         levels = self.topic_pattern.split("/")
         return levels.index("{device_id}") if "{device_id}" in levels else None
 
-    def topic_regex(self) -> str:
-        """Java regex with one group per named part, in order."""
-        levels = ["([^/]+)" if _PART.fullmatch(level) else re.escape(level)
-                  for level in self.topic_pattern.split("/")]
-        return "^" + "/".join(levels) + "$"
-
     @property
     def sparkplug_filters(self) -> tuple[str, ...]:
         """MQTT subscriptions for the Sparkplug groups (none when Sparkplug is off)."""

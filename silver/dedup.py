@@ -10,10 +10,11 @@ dozen batches. Silver passes ``delay_ms = 0``: it quarantines rows at or before 
 as late before asking the index.
 
 Each key is held as a 128-bit fingerprint (XXH64 of its UTF-8 bytes under two seeds, which
-Spark's ``xxhash64`` computes on the executors: ``fingerprint_columns``) and its expiry: 24 bytes in sorted NumPy arrays, none of them a Python object per key. So the
-driver's memory is flat once the watermark's worth of keys is live (rate x (watermark delay +
-the stream's lag) keys: 72 MB for 3M keys at 5,000 events/s and 600 s), with no allocator
-fragmentation or dict resizing to make it creep. Two different ids share a fingerprint with
+Spark's ``xxhash64`` computes on the executors: ``fingerprint_columns``) and its expiry: 24
+bytes in sorted NumPy arrays, none of them a Python object per key. So the driver's memory
+is flat once the watermark's worth of keys is live (rate x (watermark delay + the stream's
+lag) keys: 72 MB for 3M keys at 5,000 events/s and 600 s), with no allocator fragmentation or
+dict resizing to make it creep. Two different ids share a fingerprint with
 probability ~2^-128 per pair.
 
 Durability mirrors a state store changelog: before batch N's Delta commits, the keys it adds
