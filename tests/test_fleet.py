@@ -101,6 +101,24 @@ def sensor(device: str, event_id: str = "e1", **over) -> bytes:
     return json.dumps({**rec, **over}, ensure_ascii=False).encode()
 
 
+def test_topic_parts_are_whole_levels_of_a_matching_topic(spark) -> None:
+    """A topic matches the pattern when it has as many levels, the literal ones equal and the
+    named ones not empty; its named parts are then those levels, whatever they hold."""
+    from silver.parse import topic_device
+
+    model = TelemetryModel(**PUMP)
+    topics = {"plant/n/p1/telemetry": ("p1", "n"), "plant/ü/ß.x-1/telemetry": ("ß.x-1", "ü"),
+              "plant/a b/c+d/telemetry": ("c+d", "a b"), "plant//p1/telemetry": None,
+              "plant/n//telemetry": None, "plant/n/p1/telemetry/x": None, "plant/n/p1": None,
+              "x/n/p1/telemetry": None, "plant/n/p1/telemetryx": None, "/plant/n/p1/telemetry": None,
+              "plant/n/p1/telemetry/": None, "": None, "plant/n/p1/telemetry\n": None}
+    rows = [([{"key": "mqtt_topic", "value": t.encode()}],) for t in topics] + [([],)]
+    device, parts = topic_device(model)
+    got = spark.createDataFrame(rows, "headers array<struct<key:string,value:binary>>").select(
+        device.alias("d"), parts["site"].alias("s")).collect()
+    assert [None if r.d is None and r.s is None else (r.d, r.s) for r in got] == [*topics.values(), None]
+
+
 def test_topic_and_payload_must_name_the_same_device(spark) -> None:
     records = [("devices/dev-00010/telemetry", sensor("dev-00009")),
                ("devices/dev-00010/telemetry", sensor("dev-00010", "e2")),
