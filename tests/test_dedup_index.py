@@ -119,3 +119,23 @@ def test_fresh_keys_merge_into_the_main_run_without_their_expired_ones(tmp_path)
                  wm=300 * S) == [False, False, True]  # k28-0 expired at 280 s: new again
     assert len(ix) == 500 * 9 + 450  # batch 30's first 50 keys expire at 300 s, as k28-0 does
     assert ix.nbytes <= 24 * 500 * 16  # never more than twice the ~10 batches a watermark holds
+
+
+def test_spark_and_the_driver_compute_the_same_fingerprints(spark):
+    """A batch's fingerprints come from Spark, a rebuild's from the driver: the same keys must
+    give the same fingerprints (ids of every kind: unicode, empty, long)."""
+    import numpy as np
+
+    from silver.dedup import fingerprint_columns, fingerprints, from_spark
+
+    keys = ["a", "", "3f2b8c1e-4a5d-4e6f-9a7b-000000000001", "Kühlraum-Ost/传感器", "x" * 1000,
+            "bronze:telemetry:0:17"] + [f"event-{i}" for i in range(200)]
+    df = spark.createDataFrame([(k,) for k in keys], "key string")
+    got = df.select("key", *(c.alias(n) for c, n in zip(fingerprint_columns("key"), "hl", strict=True)))
+    got = got.toArrow()
+    assert got.column("key").to_pylist() == keys
+    spark_hi, spark_lo = from_spark(got.column("h"), got.column("l"))
+    hi, lo = fingerprints(got.column("key"))
+    assert np.array_equal(spark_hi, hi) and np.array_equal(spark_lo, lo)
+    assert len(set(zip(hi.tolist(), lo.tolist(), strict=True))) == len(keys)
+    assert not np.array_equal(hi, lo)  # two seeds, two halves
