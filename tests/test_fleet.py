@@ -149,7 +149,7 @@ ODD_VALUES = ["1", "-2.5", "1e3", "1E-7", "1.0", "1500.0", "-0", "0.0", "1234567
 
 def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[str, bytes]]:
     """Payloads shaped by the model, with members and values of every kind: odd values, members
-    that are not objects, missing and duplicate keys, unknown fields, broken JSON."""
+    that are not objects, missing keys, unknown fields, ISO and epoch times, broken JSON."""
     rng = random.Random(seed)
     out = []
 
@@ -220,7 +220,8 @@ def test_the_typed_parse_reads_payloads_as_the_map_does(spark, model) -> None:
 
 
 def test_fields_that_cannot_be_one_struct_are_read_from_the_map() -> None:
-    """Paths that cannot form one struct: the payload is read from its map, as ``typed=False``."""
+    """Paths that cannot form one struct: no struct, and ``parse`` reads every payload from its
+    map, as with ``typed=False``."""
     fine = TelemetryModel(device_id_path="id", metrics=[{"name": "a", "path": "r.x"}, {"name": "c", "path": "q.x"}])
     assert payload_struct(fine).simpleString() == (
         "struct<id:string,event_id:string,ts:string,status:string,schema_version:string,"
