@@ -25,7 +25,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lakehouse import native_memory  # noqa: E402
-from silver.dedup import DedupIndex  # noqa: E402
+from silver.dedup import DedupIndex, fingerprints  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> None:
             now = start + b * args.batch_seconds * 1000
             ids = [uuid.uuid4().hex for _ in range(args.rate * args.batch_seconds)] + ["repeated"]
             keys, times = pa.array(ids, pa.string()), pa.array([now] * len(ids), pa.int64())
+            prints = fingerprints(keys)  # silver's Spark job computes these, not the driver
             c = time.process_time()
-            _, added = index.first_seen(b, keys, times, now - args.watermark_seconds * 1000)
+            _, added = index.first_seen(b, keys, times, now - args.watermark_seconds * 1000, prints)
             index.commit(b, added)
             cpu += time.process_time() - c
             if b <= full_at:

@@ -176,7 +176,7 @@ class DedupIndex:
         new = np.flatnonzero(keep & timed)
         added = pa.table([pc.take(keys, pa.array(new)),
                           pc.add(pc.take(times_ms, pa.array(new)), self.delay_ms)], schema=_SCHEMA)
-        # the new keys' fingerprints, for commit (hashing is most of a batch's cost here)
+        # the new keys' fingerprints, for commit (hashing them again is a Python loop per key)
         kept = keep[rows]
         self._pending = (batch_id, added, hi[kept], lo[kept])
         return pa.array(keep, pa.bool_()), added

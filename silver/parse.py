@@ -188,14 +188,15 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
         found = sum((F.col("_s")[k].isNotNull().cast("int") for k in known_fields), F.lit(0))
         df = df.withColumn("_m", F.when(~fit | (F.size(F.json_object_keys(text)) > found), as_map))
 
-    def at(path: str) -> Column:
-        """A payload field as a string: the struct's where the payload fits it, else the map's."""
-        if fit is None:
-            return field(path)
+    def in_struct(path: str) -> Column:
         c = F.col("_s")
         for name in path.split("."):
             c = c[name]
-        return F.when(fit, c).otherwise(field(path))
+        return c
+
+    def at(path: str) -> Column:
+        """A payload field as a string: the struct's where the payload fits it, else the map's."""
+        return field(path) if fit is None else F.when(fit, in_struct(path)).otherwise(field(path))
 
     df = (df.withColumn("_raw_ts", F.trim(at(model.event_time_path)))
           .withColumn("_topic_device", from_topic if from_topic is not None else F.lit(None).cast("string")))
@@ -219,10 +220,7 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
         value = raw.try_cast(_CAST[mt.type])
         wrong[mt.name] = raw.isNotNull() & value.isNull()
         if fit is not None:  # CASE WHEN: the map's values only on rows that do not fit
-            typed_value = F.col("_s")
-            for name in mt.source.split("."):
-                typed_value = typed_value[name]
-            value = F.when(fit, typed_value).otherwise(value)
+            value = F.when(fit, in_struct(mt.source)).otherwise(value)
             wrong[mt.name] = F.when(fit, F.lit(False)).otherwise(wrong[mt.name])
         metrics[mt.name] = value
 
