@@ -7,9 +7,10 @@ into a map of its top-level members instead, a nested field read from its member
 path, with the same result, but for two payloads no device should send: a name sent twice (the
 struct keeps the last, the map and JSON paths the first) and a number beyond a double's range
 at the top level (infinity in the struct, as nested; the map holds it as the text "Infinity",
-a wrong type). Top-level fields the model does not read are kept as JSON in ``extra``
-(found by counting the payload's keys; only then is the map parsed), so a device that sends a
-new field never fails. Parse problems become reasons, not exceptions: the row is routed to
+a wrong type). Top-level fields the model does not read are kept as JSON in ``extra``, so a
+device that sends a new field never fails: the map is parsed too unless the payload's colons
+prove it holds no member the struct lacks (``only_known_members``; a payload with an escape, or
+with any member the model does not read, nested ones too, is parsed both ways). Parse problems become reasons, not exceptions: the row is routed to
 quarantine with them.
 
 The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
@@ -90,6 +91,37 @@ def payload_struct(model: TelemetryModel) -> StructType | None:
             return None
         return StructType([StructField(k, v) for k, v in children.items()])
     return struct(tree)
+
+
+def _colons(c: Column) -> Column:
+    return F.octet_length(c) - F.octet_length(F.replace(c, F.lit(":"), F.lit("")))
+
+
+def only_known_members(text: Column, parsed: Column, struct: StructType) -> Column:
+    """True where the payload ``text``, parsed into ``parsed`` (of ``struct``) and fitting it,
+    has no member the struct lacks: as many colons as the struct's members found account for
+    (one after each name, plus those in names and string values; a payload with an escape may
+    hide a colon, and is never proven so). Counting characters instead of parsing the payload
+    again (``json_object_keys``)."""
+    return ~text.contains("\\") & (_colons(text) == _struct_colons(parsed, struct))
+
+
+def _struct_colons(s: Column, struct: StructType) -> Column:
+    """The colons a payload that fits ``struct`` and has no other member holds: one after each
+    name, those in the names, and those in the string values (a nested value a string field
+    holds is Spark's JSON text of it, its names' colons included)."""
+    total = F.lit(0)
+    for f in struct.fields:
+        if f.name == _UNFIT:
+            continue
+        c = s[f.name]
+        n = F.lit(1 + f.name.count(":"))
+        if isinstance(f.dataType, StructType):
+            n = n + _struct_colons(c, f.dataType)
+        elif isinstance(f.dataType, StringType):
+            n = n + _colons(c)
+        total = total + F.when(c.isNotNull(), n).otherwise(0)
+    return total
 
 
 def _epoch_number(raw: Column) -> Column:
@@ -180,13 +212,13 @@ def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, 
         # The struct's fields are null where the payload lacks them; a payload in which a value
         # has another type or shape (NaN, Infinity and numbers in quotes too) or that is not a
         # JSON object does not fit, and is read from the map, so both ways give the same values
-        # and reasons. The map is parsed too when the payload has more keys than the model's
-        # fields found (its unknown fields go to ``extra``).
+        # and reasons. The map is parsed too unless the colons show that the payload has no
+        # member the struct lacks (its unknown fields go to ``extra``): a count of characters
+        # where ``json_object_keys`` would parse the payload a second time.
         df = bronze.withColumn("_s", F.from_json(text, struct.add(_UNFIT, StringType()), {
             "mode": "PERMISSIVE", "columnNameOfCorruptRecord": _UNFIT, "allowNonNumericNumbers": "false"}))
         fit = F.col("_s").isNotNull() & F.col("_s")[_UNFIT].isNull()
-        found = sum((F.col("_s")[k].isNotNull().cast("int") for k in known_fields), F.lit(0))
-        df = df.withColumn("_m", F.when(~fit | (F.size(F.json_object_keys(text)) > found), as_map))
+        df = df.withColumn("_m", F.when(~(fit & only_known_members(text, F.col("_s"), struct)), as_map))
 
     def in_struct(path: str) -> Column:
         c = F.col("_s")

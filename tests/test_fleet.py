@@ -25,7 +25,7 @@ from lakehouse.telemetry import TelemetryModel
 from orchestration.cli import main as cli_main
 from silver.default_suite import default_suite
 from silver.expectations import DEFAULT_SUITE_PATH, load_suite
-from silver.parse import parse, payload_struct
+from silver.parse import only_known_members, parse, payload_struct
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
@@ -146,6 +146,9 @@ ODD_VALUES = ["1", "-2.5", "1e3", "1E-7", "1.0", "1500.0", "-0", "0.0", "1234567
               "-Infinity", '"INF"', '"-INF"', "true", "null", '"x"', "[]", "[1, 2]", "{}",
               '{"q": 1}', '""', '"\u0661\u0662"', '"7"', "0.1", "2.5e-3"]
 
+#: Values with colons and escapes: silver tells a payload's unknown members by its colons
+COLONS = ['"12:30:00"', '"a\\u003ab"', '"q\\"u:"', '{"k:1": "v:2"}', '[{"k": ":"}]']
+
 
 def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[str, bytes]]:
     """Payloads shaped by the model, with members and values of every kind: odd values, members
@@ -171,15 +174,19 @@ def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[st
             odd = ODD_VALUES if "." in m.source else [v for v in ODD_VALUES if "e400" not in v]
             put(tree, m.source, rng.choice(odd) if rng.random() < 0.15 else good)
         device = f"dev-{i % 7}"
-        for path, good in ((model.event_id_path, f'"e{i}"'), (model.device_id_path, f'"{device}"'),
+        event_id = rng.choice([f'"e{i}"'] * 8 + [f'"e:{i}"', f'"e\\u003a{i}"'])
+        for path, good in ((model.event_id_path, event_id), (model.device_id_path, f'"{device}"'),
                            (model.status_path, '"ok"'), (model.schema_version_path, "1")):
             if path and rng.random() < 0.9:
-                put(tree, path, good if rng.random() < 0.9 else rng.choice(ODD_VALUES + ['"dev-0"']))
+                put(tree, path, good if rng.random() < 0.9 else rng.choice(ODD_VALUES + COLONS + ['"dev-0"']))
         if rng.random() < 0.9:  # mostly a good time, so most rows get as far as their metrics
             put(tree, model.event_time_path, str(1764071940 + i) if rng.random() < 0.8
                 else f'"2025-11-25T11:{i % 60:02d}:00Z"')
         if rng.random() < 0.1:  # an unknown field, or a member of another shape
-            tree[rng.choice(["extra", "fw", "r", "readings", "s", "ts"])] = rng.choice(ODD_VALUES)
+            tree[rng.choice(["extra", "fw", "r", "readings", "s", "ts", "a:b"])] = rng.choice(ODD_VALUES + COLONS)
+        nested = [v for v in tree.values() if isinstance(v, dict)]
+        if nested and rng.random() < 0.05:  # a member no path names, inside a known object
+            rng.choice(nested)[rng.choice(["zz", "k:"])] = rng.choice(ODD_VALUES + COLONS)
 
         def dump(node) -> str:
             if not isinstance(node, dict):
@@ -234,6 +241,28 @@ def test_fields_that_cannot_be_one_struct_are_read_from_the_map() -> None:
             ([{"name": "a", "path": "r.x"}], {"event_id_path": "r"}),  # a string and an object
     ):
         assert payload_struct(TelemetryModel(**{"device_id_path": "id", **ids, "metrics": metrics})) is None
+
+
+def test_a_payload_without_unknown_members_is_told_by_its_colons(spark) -> None:
+    """The map of members is parsed only where the colons do not prove that the payload holds
+    nothing but the struct's members: never missing an unknown one, nested, named with a colon
+    or hidden behind an escape."""
+    from pyspark.sql import functions as F
+
+    struct = payload_struct(TelemetryModel(device_id_path="id", metrics=[{"name": "a", "path": "r.x"}]))
+    cases = {
+        '{"id": "d1", "ts": "2025-11-25T11:00:00Z", "r": {"x": 1.5}}': True,
+        '{"id": "d:1", "ts": "12:00", "event_id": "e:1:2", "schema_version": 1}': True,
+        '{"status": {"k:1": ["v:2", {"w": ":"}]}}': True,  # a string field holding JSON
+        '{"r": {}}': True, "{}": True, ' { "id" :"d1" , "r" : { "x" : 2 } } ': True,
+        '{"id": "d1", "fw": "2"}': False, '{"id": "d1", "r": {"x": 1, "y": 2}}': False,
+        '{"id": "d1", "a:b": 1}': False, '{"id": "d1", "r": {"x": 1, "k:": 2}}': False,
+        '{"id": "d\\u003a1", "fw": 2}': False, '{"id": "d\\u003a1"}': False,
+        '{"id": null}': False, '{"id": "a", "id": "b"}': False, '{"id": "a", "fw": {"q": 1}}': False,
+    }
+    df = spark.createDataFrame([(t,) for t in cases], "text string")
+    got = df.select("text", only_known_members(F.col("text"), F.from_json("text", struct), struct).alias("k"))
+    assert {r["text"]: r["k"] for r in got.collect()} == cases
 
 
 def test_real_fleet_ids_pass_the_generated_suite(spark) -> None:
