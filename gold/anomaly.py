@@ -366,7 +366,7 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
-                config: DetectorConfig | None = None, explain: bool = False) -> tuple[np.ndarray, ...]:
+                config: DetectorConfig | None = None, explain: bool = False):
     """Score many independent (device, metric) lanes in one compiled call.
 
     ``values``/``times`` hold every lane's readings back to back, each lane in event-time order;
@@ -378,26 +378,42 @@ def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, stat
     is not modified. With ``explain``, also ``(model, low, high)`` per reading: which view was
     the most surprised (:data:`MODELS`) and the range it expected (NaN for the flat-line view).
     """
+    st = np.array(states, dtype=np.float64, order="C", ndmin=2)  # a copy: updated in place
+    out = score_lanes_at(values, times, offsets, st, np.arange(st.shape[0]), config)
+    scores, baselines, flags, n_before, model, low, high = out
+    if explain:
+        return scores, baselines, flags, n_before, st, model, low, high
+    return scores, baselines, flags, n_before, st
+
+
+def score_lanes_at(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
+                   rows: np.ndarray, config: DetectorConfig | None = None):
+    """:func:`score_lanes` on states held in a larger matrix, updated in place: lane ``j``
+    starts from ``states[rows[j]]`` and leaves its new state there (a lane without a valid
+    reading leaves its row as it was). A caller keeping every key's state in one C-contiguous
+    float64 matrix scores a batch without copying the states out and back. Returns
+    ``(scores, baselines, flags, n_before, model, low, high)``."""
     cfg = config or DetectorConfig()
     x = np.ascontiguousarray(values, dtype=np.float64).ravel()
     t = np.ascontiguousarray(times, dtype=np.float64).ravel()
     offs = np.ascontiguousarray(offsets, dtype=np.int64).ravel()
-    st = np.array(states, dtype=np.float64, order="C", ndmin=2)  # a copy: updated in place
+    at = np.ascontiguousarray(rows, dtype=np.int64).ravel()
+    if states.dtype != np.float64 or states.ndim != 2 or not states.flags.c_contiguous:
+        raise ValueError("states must be a C-contiguous float64 matrix (updated in place)")
     if x.shape != t.shape:
         raise ValueError(f"{x.size} values but {t.size} times")
-    if (offs.size != st.shape[0] + 1 or offs[0] != 0 or offs[-1] != x.size
+    if (offs.size != at.size + 1 or offs[0] != 0 or offs[-1] != x.size
             or np.any(np.diff(offs) < 0)):
-        raise ValueError("offsets must rise from 0 to len(values), one more than the states")
-    k = (st.shape[1] - len(_SCALARS)) // len(_ARRAYS)
-    if st.shape[1] != len(_SCALARS) + len(_ARRAYS) * k or k != cfg.season_bins:
-        raise ValueError(f"state rows of {st.shape[1]} values do not match the layout "
+        raise ValueError("offsets must rise from 0 to len(values), one more than the lanes")
+    if at.size and (at.min() < 0 or at.max() >= states.shape[0] or np.unique(at).size != at.size):
+        raise ValueError("rows must be distinct rows of states, one per lane")
+    k = (states.shape[1] - len(_SCALARS)) // len(_ARRAYS)
+    if states.shape[1] != len(_SCALARS) + len(_ARRAYS) * k or k != cfg.season_bins:
+        raise ValueError(f"state rows of {states.shape[1]} values do not match the layout "
                          f"({cfg.season_bins} season bins)")
-    if np.any(st[:, 0] != STATE_VERSION):
+    if np.any(states[at, 0] != STATE_VERSION):
         raise ValueError(f"state version is not {STATE_VERSION}")
-    scores, baselines, flags, n_before, model, low, high = _kernel(x, t, offs, st, k, _params(cfg))
-    if explain:
-        return scores, baselines, flags, n_before, st, model, low, high
-    return scores, baselines, flags, n_before, st
+    return _kernel(x, t, offs, states, at, k, _params(cfg))
 
 
 def score_batch(values: np.ndarray, times: np.ndarray, state: DetectorState | None,
@@ -463,8 +479,9 @@ def _tail(q, d, grow, decay):
 
 
 @_njit_cached
-def _kernel(xs, ts, offs, states, k, p):
-    """The per-reading recursion and episode flags of every lane (``states`` updated in place)."""
+def _kernel(xs, ts, offs, states, at, k, p):
+    """The per-reading recursion and episode flags of every lane (``states[at[lane]]`` updated
+    in place)."""
     (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
      c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
      inv_ms, inv_mf,
@@ -481,7 +498,7 @@ def _kernel(xs, ts, offs, states, k, p):
     o_s = 30  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 30 scalars
     o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
     for lane in range(offs.size - 1):
-        row = states[lane]
+        row = states[at[lane]]
         n = row[1]
         xl, lev, mid = row[2], row[3], row[4]
         f_up, f_dn, t_up, t_dn = row[5], row[6], row[7], row[8]

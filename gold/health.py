@@ -17,7 +17,7 @@ holding the states of its devices: Spark's fixed cost per group in the Python wo
 pandas per group, state (de)serialisation, one output frame per group) is ~1 ms, which with a
 key per device capped the stream at ~1k readings/s for 10k devices. A bucket is processed
 column-wise (one sort, vectorised rules and output columns, its devices' state as arrays) and
-all its (device, metric) detectors run in one compiled call (``gold.anomaly.score_lanes``).
+all its (device, metric) detectors run in one compiled call (``gold.anomaly.score_lanes_at``).
 Timeouts stay per device and exact: a bucket's timeout is its devices' earliest deadline, and
 every call also times out its devices without data whose deadline is below the watermark
 (Spark's rule).
@@ -50,7 +50,7 @@ from gold.anomaly import (
     MODELS,
     DetectorConfig,
     initial_rows,
-    score_lanes,
+    score_lanes_at,
     state_fields,
     upgrade_rows,
 )
@@ -140,6 +140,15 @@ class Bucket:
         return cls(np.zeros(0, dtype=object), np.zeros(0, dtype=object), z(), z(), z(),
                    np.zeros((0, k)), np.zeros(0), np.zeros((k, 0, state_len)),
                    np.zeros((k, 0), dtype=bool))
+
+    def states(self) -> np.ndarray:
+        """``dets`` as one [metrics * devices, state_len] matrix sharing its memory (made
+        C-contiguous first if it is not), for ``score_lanes_at`` to update in place."""
+        if not self.dets.flags.c_contiguous:
+            self.dets = np.ascontiguousarray(self.dets)
+        flat = self.dets.reshape(-1, self.dets.shape[2])
+        assert np.shares_memory(flat, self.dets)
+        return flat
 
     def index(self, names: np.ndarray) -> np.ndarray:
         """Positions of ``names``, appending the devices not seen before (in that order)."""
@@ -382,21 +391,23 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     vals = np.stack([pdf[m].to_numpy(dtype=float)[order] for m in metrics])
     pos = devs.index(np.asarray(names, dtype=object)[codes[starts]])
 
-    # one detector lane per (metric, device): every lane of the bucket in one compiled call
-    n_dev = len(starts)
+    # one detector lane per (metric, device): every lane of the bucket in one compiled call,
+    # on the states where the bucket holds them (a copy of every state out and back would cost
+    # more than the scoring)
     present = ~np.isnan(vals)
-    rows = np.where(devs.det_set[:, pos, None], devs.dets[:, pos], _initial_det(cfg))
+    unset = np.nonzero(~devs.det_set[:, pos])
+    devs.dets[unset[0], pos[unset[1]]] = _initial_det(cfg)  # an unset state is not read
+    states = devs.states()
     offsets = np.r_[(starts + n * np.arange(k)[:, None]).ravel(), k * n]
-    s, bl, f, nb, new_rows, mdl, low, high = score_lanes(
-        vals.ravel(), np.tile(t_sec, k), offsets, rows.reshape(k * n_dev, -1), cfg, explain=True)
+    lanes = (np.arange(k)[:, None] * len(devs.ids) + pos).ravel()
+    s, bl, f, nb, mdl, low, high = score_lanes_at(vals.ravel(), np.tile(t_sec, k), offsets, states,
+                                                  lanes, cfg)
     scores, base, flags = s.reshape(k, n), bl.reshape(k, n), f.reshape(k, n)
     model = np.where(mdl > 0, mdl, np.nan).reshape(k, n)  # 0: no model yet (first reading)
     low, high = low.reshape(k, n), high.reshape(k, n)
     # a metric without readings keeps its state (and a never-seen one stays unset)
     seen = np.add.reduceat(present, starts, axis=1) > 0
-    new_rows = new_rows.reshape(k, n_dev, -1)
     for i in range(k):
-        devs.dets[i, pos[seen[i]]] = new_rows[i, seen[i]]
         devs.det_set[i, pos[seen[i]]] = True
 
     warm = nb.reshape(k, n) + 1 > cfg.warmup  # no status from warm-up scores

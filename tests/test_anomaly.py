@@ -19,6 +19,7 @@ from gold.anomaly import (
     initial_state,
     score_batch,
     score_lanes,
+    score_lanes_at,
     state_fields,
     state_schema_ddl,
 )
@@ -157,6 +158,38 @@ def test_score_lanes_equals_score_batch_per_lane_in_any_chunking() -> None:
     np.testing.assert_array_equal(nb0, np.arange(N))
     with pytest.raises(ValueError, match="offsets"):
         score_lanes(np.zeros(3), np.zeros(3), [0, 2], initial_rows(1, cfg), cfg)
+
+
+def test_score_lanes_at_scores_states_where_they_are_held() -> None:
+    """Lanes scored on rows of a larger matrix, in any order: the same scores and new states as
+    score_lanes, written back in place; rows no lane names, and lanes without a valid reading,
+    keep their values."""
+    cfg = DetectorConfig()
+    lanes = [synthetic(seed)[:2] for seed in range(3)] + [(np.array([np.nan]), T0 + np.arange(1.0))]
+
+    def joined(part: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.concatenate([v[part] for v, _ in lanes]), np.concatenate([w[part] for _, w in lanes]),
+                np.r_[0, np.cumsum([len(v[part]) for v, _ in lanes])])
+    warm = score_lanes(*joined(slice(0, 500)), initial_rows(len(lanes), cfg), cfg)[4]
+    x, t, offsets = joined(slice(500, None))
+    want = score_lanes(x, t, offsets, warm, cfg, explain=True)
+    held = np.full((9, warm.shape[1]), -1.0)  # rows 0, 2, 4, 5 and 8 unnamed
+    rows = [7, 3, 1, 6]
+    held[rows] = warm
+    got = score_lanes_at(x, t, offsets, held, rows, cfg)
+    for g, w in zip(got, (*want[:4], *want[5:]), strict=True):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(held[rows], want[4])
+    np.testing.assert_array_equal(held[6], warm[3])  # no valid reading: as it was
+    assert (held[[0, 2, 4, 5, 8]] == -1.0).all()
+    for bad, match in ((np.ascontiguousarray(held[:, :-1]), "layout"), (held[::2], "C-contiguous"),
+                       (held.astype(np.float32), "C-contiguous")):
+        with pytest.raises(ValueError, match=match):
+            score_lanes_at(x, t, offsets, bad, [0, 1, 2, 3], cfg)
+    with pytest.raises(ValueError, match="distinct"):
+        score_lanes_at(x, t, offsets, held, [7, 7, 1, 6], cfg)
+    with pytest.raises(ValueError, match="version"):
+        score_lanes_at(x, t, offsets, held, [7, 3, 1, 0], cfg)
 
 
 def test_state_row_layout() -> None:
