@@ -230,59 +230,64 @@ class DriverHealthBatch:
         add_current(devs, changed, out, self.metrics)
         self.store.save(batch_id, changed)  # durable before anything of the batch commits
         if out.parts:
-            self.write(df.sparkSession, out.frame(), batch_id)
+            self.write(df.sparkSession, out, batch_id)
         note_batch(self.app_id, batch_id, state_rows=len(devs.ids),
                    rows_dropped_by_watermark=rows.num_rows - batch.num_rows)
 
-    def write(self, spark: SparkSession, out: pd.DataFrame, batch_id: int) -> None:
+    def write(self, spark: SparkSession, out: Rows, batch_id: int) -> None:
         """The four tables from the batch's output rows (built here in Arrow: no Spark job
         before the writes), each written exactly once for (query id, batch id), at once."""
-        kind = out["kind"].to_numpy()
-        tables = {"readings_scored": scored(out[kind == "reading"], self.metrics)}
+        tables = {"readings_scored": scored(out.columns("reading"), self.metrics)}
         tables["anomalies"] = tables["readings_scored"].filter(
             pc.fill_null(tables["readings_scored"].column("is_anomaly"), False))
-        hist = out[kind == "status"].rename(columns={"event_time": "changed_at"})
+        hist = out.columns("status")
+        if "event_time" in hist:  # (none when no device changed status)
+            hist["changed_at"] = hist.pop("event_time")
         tables["device_status_history"] = arrow(hist, DEVICE_STATUS_HISTORY)
-        cur = out[kind == "current"]
-        cur = cur.assign(updated_at=pd.Timestamp.now(tz="UTC").tz_localize(None).as_unit("ns"))
+        cur = out.columns("current")
+        now = np.datetime64(pd.Timestamp.now(tz="UTC").tz_localize(None).as_unit("ns"))
+        cur["updated_at"] = np.full(len(cur["kind"]), now)
         writes = [partial(append_table, spark, t, self.paths[name], self.app_id, batch_id)
                   for name, t in tables.items() if t.num_rows]
-        if len(cur):
+        if len(cur["kind"]):
             writes.append(partial(self.current.write, spark, arrow(cur, self.current_schema), batch_id))
         run_at_once(spark, writes)
 
 
-def arrow(frame: pd.DataFrame, schema: pa.Schema) -> pa.Table:
-    """``frame``'s columns of ``schema`` as that schema (a column it lacks: nulls)."""
-    n = len(frame)
-    return pa.table([pa.Array.from_pandas(frame[f.name].to_numpy(), type=f.type) if f.name in frame
+def arrow(columns: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
+    """``columns`` of ``schema`` as that schema (a column it lacks: nulls; NaN and NaT: null)."""
+    n = len(columns["kind"])
+    return pa.table([pa.Array.from_pandas(columns[f.name], type=f.type) if f.name in columns
                      else pa.nulls(n, f.type) for f in schema], schema=schema)
 
 
-def scored(readings: pd.DataFrame, metrics: tuple[str, ...]) -> pa.Table:
+def scored(readings: dict[str, np.ndarray], metrics: tuple[str, ...]) -> pa.Table:
     """``readings_scored``: the output's reading rows unpivoted, one row per present metric
-    (as ``gold.health.readings_scored`` does in Spark)."""
-    n, k = len(readings), len(metrics)
+    (as ``gold.health.readings_scored`` does in Spark): a record batch per metric, sharing the
+    id, device and time columns."""
+    n = len(readings["kind"])
+    if not n:
+        return READINGS_SCORED.empty_table()
+    ids = pa.array(readings["event_id"], pa.string())
+    devices = pa.array(readings["device_id"], pa.string())
+    times = pa.array(readings["event_time"], READINGS_SCORED.field("event_time").type)
+    models = pa.array(MODELS, pa.string())
 
-    def stacked(suffix: str) -> np.ndarray:
-        return np.concatenate([readings[m + suffix].to_numpy() for m in metrics]) if k else np.zeros(0)
-
-    def floats(suffix: str) -> pa.Array:  # NaN (no value) as null, as pyspark hands it on
-        x = stacked(suffix).astype(np.float64)
+    def floats(x: np.ndarray) -> pa.Array:  # NaN (no value) as null, as pyspark hands it on
+        x = x.astype(np.float64, copy=False)
         return pa.array(x, pa.float64(), mask=np.isnan(x))
 
-    value = stacked("").astype(np.float64)
-    model = stacked("_model").astype(np.float64)  # index into MODELS, NaN: no model yet
-    names = np.where(np.isnan(model), None,
-                     np.array(MODELS, dtype=object)[np.nan_to_num(model, nan=0.0).astype(np.int64)])
-    t = pa.table({
-        "event_id": np.tile(readings["event_id"].to_numpy(), k),
-        "device_id": np.tile(readings["device_id"].to_numpy(), k),
-        "event_time": pa.array(np.tile(readings["event_time"].to_numpy(), k), READINGS_SCORED.field("event_time").type),
-        "metric": np.repeat(np.array(metrics, dtype=object), n),
-        "value": value, "score": floats("_score"), "baseline": floats("_baseline"),
-        "is_anomaly": pa.array(stacked("_anomaly"), pa.bool_()),
-        "anomaly_model": names,
-        "expected_low": floats("_low"), "expected_high": floats("_high"),
-    })
-    return t.filter(pa.array(~np.isnan(value))).cast(READINGS_SCORED)
+    batches = []
+    for m in metrics:
+        value = readings[m].astype(np.float64, copy=False)
+        code = readings[f"{m}_model"]  # index into MODELS, NaN: no model yet
+        names = pa.DictionaryArray.from_arrays(
+            pa.array(np.nan_to_num(code, nan=0.0).astype(np.int32), mask=np.isnan(code)), models)
+        batch = pa.record_batch([
+            ids, devices, times, pa.repeat(pa.scalar(m, pa.string()), n), pa.array(value, pa.float64()),
+            floats(readings[f"{m}_score"]), floats(readings[f"{m}_baseline"]),
+            pa.array(readings[f"{m}_anomaly"].astype(bool), pa.bool_()), names.dictionary_decode(),
+            floats(readings[f"{m}_low"]), floats(readings[f"{m}_high"])], schema=READINGS_SCORED)
+        present = ~np.isnan(value)
+        batches.append(batch if present.all() else batch.filter(pa.array(present)))
+    return pa.Table.from_batches(batches, schema=READINGS_SCORED)

@@ -179,10 +179,11 @@ def _floats(a: np.ndarray) -> pa.Array:
 
 
 def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
-    """Binary column of packed float64 rows (null where not ``present``), without a Python loop."""
+    """Binary column of packed float64 rows (null where not ``present``), without a Python loop.
+    Shares memory with ``rows`` where every row is present: write it out before they change."""
     size = rows.shape[1] * 8
     offsets = np.r_[0, np.cumsum(np.where(present, size, 0))].astype(np.int32)
-    data = np.ascontiguousarray(rows[present]).tobytes()
+    data = np.ascontiguousarray(rows if present.all() else rows[present])
     validity = pa.array(present).buffers()[1]
     return pa.Array.from_buffers(pa.binary(), len(present),
                                  [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
@@ -260,9 +261,21 @@ class Rows:
             self.parts.append((n, cols))
 
     def frame(self) -> pd.DataFrame:
-        total = sum(n for n, _ in self.parts)
+        return pd.DataFrame(self._columns(self.parts, self.out_types))
+
+    def columns(self, kind: str) -> dict[str, np.ndarray]:
+        """The rows of one kind as arrays, only the columns its parts name (and ``kind``): what
+        the driver writes from, without a frame of every column for every row."""
+        parts = [(n, cols) for n, cols in self.parts if cols.get("kind") == kind]
+        names = {"kind": None} | {c: None for _, cols in parts for c in cols}
+        out = self._columns(parts, {c: t for c, t in self.out_types.items() if c in names})
+        return out if parts else {c: v[:0] for c, v in out.items()}
+
+    @staticmethod
+    def _columns(parts: list[tuple[int, dict]], types: dict[str, str]) -> dict[str, np.ndarray]:
+        total = sum(n for n, _ in parts)
         data = {}
-        for c, typ in self.out_types.items():
+        for c, typ in types.items():
             if typ == "double":
                 col = np.full(total, np.nan)
             elif typ == "timestamp":
@@ -270,12 +283,12 @@ class Rows:
             else:
                 col = np.full(total, None, dtype=object)
             pos = 0
-            for n, cols in self.parts:
+            for n, cols in parts:
                 if c in cols:
                     col[pos:pos + n] = cols[c]
                 pos += n
             data[c] = col.view("datetime64[ns]") if typ == "timestamp" else col
-        return pd.DataFrame(data)
+        return data
 
 
 @dataclass(frozen=True)

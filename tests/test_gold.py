@@ -448,6 +448,32 @@ def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings
         gold.health.start(spark, legacy, trigger="available_now")
 
 
+def test_the_driver_unpivots_readings_one_row_per_present_metric() -> None:
+    """``readings_scored`` from the driver's output rows: a row per (reading, metric with a
+    value), in metric order; no model yet is a null model name and a NaN score a null."""
+    from gold.device_state import scored
+    from gold.health import MODELS, Rows, out_schema
+
+    metrics = ("a", "b")
+    rows = Rows(dict(c.split() for c in out_schema(metrics).split(", ")))
+    t_ns = np.array([1, 2, 3]) * 1_000_000_000
+    cols = {f"{m}{s}": np.array(v, dtype=float) for m, s, v in (
+        ("a", "", [1.0, np.nan, 3.0]), ("b", "", [4.0, 5.0, 6.0]), ("a", "_score", [0.1, 0.0, np.nan]),
+        ("b", "_score", [0.2, 0.3, 0.4]), ("a", "_model", [np.nan, 0.0, 1.0]), ("b", "_model", [1.0, 1.0, 0.0]))}
+    rows.add(3, kind="reading", device_id=np.array(["d1", "d2", "d1"], dtype=object),
+             event_id=np.array(["e1", "e2", "e3"], dtype=object), event_time=t_ns,
+             a_anomaly=np.array([False, False, True]), b_anomaly=np.zeros(3, bool), **cols,
+             **{f"{m}_{s}": np.full(3, 2.0) for m in metrics for s in ("baseline", "low", "high")})
+    rows.add(1, kind="status", device_id=np.array(["d1"], dtype=object), status="offline")
+    got = scored(rows.columns("reading"), metrics).to_pylist()
+    assert [(r["event_id"], r["metric"], r["value"], r["score"], r["anomaly_model"], r["is_anomaly"])
+            for r in got] == [("e1", "a", 1.0, 0.1, None, False), ("e3", "a", 3.0, None, MODELS[1], True),
+                              ("e1", "b", 4.0, 0.2, MODELS[1], False), ("e2", "b", 5.0, 0.3, MODELS[1], False),
+                              ("e3", "b", 6.0, 0.4, MODELS[0], False)]
+    assert got[0]["event_time"] == datetime(1970, 1, 1, 0, 0, 1, tzinfo=UTC)
+    assert scored(Rows(rows.out_types).columns("reading"), metrics).num_rows == 0
+
+
 def test_device_state_comes_back_from_its_changelog_for_a_restart_or_a_replay(tmp_path) -> None:
     from gold.anomaly import DetectorConfig
     from gold.device_state import DeviceStateStore
