@@ -73,7 +73,8 @@ scale) upgrade in place (:func:`upgrade_rows`), without a new warm-up.
 
 The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,
 then ~0.25 s to load per process); :func:`score_lanes` runs it over many keys in one call, as
-the health stream does per bucket, since a Python loop over keys cost more than the scoring.
+the health stream does per bucket, since a Python loop over keys cost more than the scoring
+(:func:`score_lanes_at`: on the states where the caller holds them, updated in place).
 """
 
 from __future__ import annotations
