@@ -367,7 +367,7 @@ def _params(cfg: DetectorConfig) -> tuple[float, ...]:
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
-                config: DetectorConfig | None = None, explain: bool = False):
+                config: DetectorConfig | None = None, explain: bool = False) -> tuple[np.ndarray, ...]:
     """Score many independent (device, metric) lanes in one compiled call.
 
     ``values``/``times`` hold every lane's readings back to back, each lane in event-time order;
@@ -388,7 +388,7 @@ def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, stat
 
 
 def score_lanes_at(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
-                   rows: np.ndarray, config: DetectorConfig | None = None):
+                   rows: np.ndarray, config: DetectorConfig | None = None) -> tuple[np.ndarray, ...]:
     """:func:`score_lanes` on states held in a larger matrix, updated in place: lane ``j``
     starts from ``states[rows[j]]`` and leaves its new state there (a lane without a valid
     reading leaves its row as it was). A caller keeping every key's state in one C-contiguous

@@ -146,9 +146,7 @@ class Bucket:
         C-contiguous first if it is not), for ``score_lanes_at`` to update in place."""
         if not self.dets.flags.c_contiguous:
             self.dets = np.ascontiguousarray(self.dets)
-        flat = self.dets.reshape(-1, self.dets.shape[2])
-        assert np.shares_memory(flat, self.dets)
-        return flat
+        return self.dets.reshape(-1, self.dets.shape[2])  # a view: C-contiguous
 
     def index(self, names: np.ndarray) -> np.ndarray:
         """Positions of ``names``, appending the devices not seen before (in that order)."""
@@ -268,8 +266,7 @@ class Rows:
         the driver writes from, without a frame of every column for every row."""
         parts = [(n, cols) for n, cols in self.parts if cols.get("kind") == kind]
         names = {"kind": None} | {c: None for _, cols in parts for c in cols}
-        out = self._columns(parts, {c: t for c, t in self.out_types.items() if c in names})
-        return out if parts else {c: v[:0] for c, v in out.items()}
+        return self._columns(parts, {c: t for c, t in self.out_types.items() if c in names})
 
     @staticmethod
     def _columns(parts: list[tuple[int, dict]], types: dict[str, str]) -> dict[str, np.ndarray]:
@@ -409,7 +406,8 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     # more than the scoring)
     present = ~np.isnan(vals)
     unset = np.nonzero(~devs.det_set[:, pos])
-    devs.dets[unset[0], pos[unset[1]]] = _initial_det(cfg)  # an unset state is not read
+    # a (device, metric) never learnt starts from the initial state (unset until it learns)
+    devs.dets[unset[0], pos[unset[1]]] = _initial_det(cfg)
     states = devs.states()
     offsets = np.r_[(starts + n * np.arange(k)[:, None]).ravel(), k * n]
     lanes = (np.arange(k)[:, None] * len(devs.ids) + pos).ravel()

@@ -9,9 +9,9 @@ struct keeps the last, the map and JSON paths the first) and a number beyond a d
 at the top level (infinity in the struct, as nested; the map holds it as the text "Infinity",
 a wrong type). Top-level fields the model does not read are kept as JSON in ``extra``, so a
 device that sends a new field never fails: the map is parsed too unless the payload's colons
-prove it holds no member the struct lacks (``only_known_members``; a payload with an escape, or
-with any member the model does not read, nested ones too, is parsed both ways). Parse problems become reasons, not exceptions: the row is routed to
-quarantine with them.
+prove it holds no member the struct lacks (``only_known_members``; a payload with an escape,
+or with any member the model does not read, nested ones too, is parsed both ways). Parse
+problems become reasons, not exceptions: the row is routed to quarantine with them.
 
 The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
 matched against ``telemetry.topic_pattern``), or from both: when both name a device and they
