@@ -451,8 +451,9 @@ def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings
 def test_the_driver_unpivots_readings_one_row_per_present_metric() -> None:
     """``readings_scored`` from the driver's output rows: a row per (reading, metric with a
     value), in metric order; no model yet is a null model name and a NaN score a null."""
+    from gold.anomaly import MODELS
     from gold.device_state import scored
-    from gold.health import MODELS, Rows, out_schema
+    from gold.health import Rows, out_schema
 
     metrics = ("a", "b")
     rows = Rows(dict(c.split() for c in out_schema(metrics).split(", ")))
