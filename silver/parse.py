@@ -6,12 +6,13 @@ that does not fit it (a value of another type or shape, a number in quotes, not 
 into a map of its top-level members instead, a nested field read from its member with a JSON
 path, with the same result, but for two payloads no device should send: a name sent twice (the
 struct keeps the last, the map and JSON paths the first) and a number beyond a double's range
-at the top level (infinity in the struct, as nested; the map holds it as the text "Infinity",
-a wrong type). Top-level fields the model does not read are kept as JSON in ``extra``, so a
-device that sends a new field never fails: the map is parsed too unless the payload's colons
-prove it holds no member the struct lacks (``only_known_members``; a payload with an escape,
-or with any member the model does not read, nested ones too, is parsed both ways). Parse
-problems become reasons, not exceptions: the row is routed to quarantine with them.
+(at the top level: infinity in the struct, as nested, where the map holds the text "Infinity",
+a wrong type; nested where a string such as an id is read: the struct's text is "Infinity" in
+quotes, the JSON path's without). Top-level fields the model does not read are kept as JSON
+in ``extra``, so a device that sends a new field never fails: the map is parsed too unless the
+payload's colons prove it holds no member the struct lacks (``only_known_members``; a payload
+with an escape, or with any member the model does not read, nested ones too, is parsed both
+ways). Parse problems become reasons, not exceptions: the row is routed to quarantine with them.
 
 The device id comes from the payload, from the MQTT topic (the bridge's ``mqtt_topic`` header,
 matched against ``telemetry.topic_pattern``), or from both: when both name a device and they
