@@ -4,7 +4,7 @@ Each field is read from its path in the JSON payload (``lakehouse.telemetry``). 
 parsed once into a struct of the model's fields, metrics typed (``payload_struct``). A payload
 that does not fit it (a value of another type or shape, a number in quotes, not JSON) is parsed
 into a map of its top-level members instead, a nested field read from its member with a JSON
-path, with the same result, but for two payloads no device should send: a name sent twice (the
+path, with the same result, but for payloads no device should send: a name sent twice (the
 struct keeps the last, the map and JSON paths the first) and a number beyond a double's range
 (at the top level: infinity in the struct, as nested, where the map holds the text "Infinity",
 a wrong type; nested where a string such as an id is read: the struct's text is "Infinity" in
