@@ -10,6 +10,8 @@ STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RATE   ?= 200
 DEVICES ?= 50
+# The fleet run and demo simulate: yours (./iotlake.toml or $$IOTLAKE_CONFIG), else the example sensor
+CONFIG ?= $(or $(IOTLAKE_CONFIG),$(wildcard iotlake.toml),examples/sensor.toml)
 
 .PHONY: run demo archive test test-deps bench lint airflow dashboard install system-deps jars constraints clean
 JARS   := .jars
@@ -22,10 +24,10 @@ EDGE_STAMP := $(EDGE_VENV)/.installed
 MVN    := mvn -q -B
 
 run: install $(CDS) $(KAFKA_CDS) ## live pipeline on embedded Mosquitto + Apache Kafka, simulated devices; Ctrl-C stops
-	$(BIN)/iotlake run --simulate $(RATE) --devices $(DEVICES)
+	$(BIN)/iotlake --config $(CONFIG) run --simulate $(RATE) --devices $(DEVICES)
 
 demo: install $(CDS) $(KAFKA_CDS) ## bounded run: publish events, wait for gold, print accounting JSON
-	$(BIN)/iotlake demo --events 5000 --devices 20
+	$(BIN)/iotlake --config $(CONFIG) demo --events 5000 --devices 20
 
 test: install test-deps $(EDGE_STAMP) $(KAFKA_CDS) ## the whole test suite (real brokers, real Spark, real Delta files)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
@@ -102,7 +104,7 @@ test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and
 	fi
 
 bench: install $(CDS) $(KAFKA_CDS) test-deps ## all benchmarks but the long chaos and soak runs (each prints a last JSON line)
-	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos_harness.py|*/procs.py|*/spark_cpu.py|*/chaos.py|*/soak.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
+	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos_harness.py|*/procs.py|*/fleets.py|*/spark_cpu.py|*/chaos.py|*/soak.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
 
 airflow: install        ## local Airflow (SQLite, our DAGs) under <data_root>/airflow
 	bash infra/airflow.sh

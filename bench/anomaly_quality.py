@@ -43,6 +43,8 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fleets import SENSOR  # noqa: E402
+
 from bench.nab_scoring import SeriesScore, corpus_score, score_series  # noqa: E402
 from gold.anomaly import (  # noqa: E402
     MODELS,
@@ -146,7 +148,7 @@ def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Nam
     import gold.health
     from lakehouse.settings import load_settings
     from lakehouse.spark import spark_session
-    from lakehouse.tables import SILVER
+    from lakehouse.tables import silver_schema
 
     if config != DetectorConfig():
         raise ValueError("--via spark runs the stream's detector (settings.gold): default config only")
@@ -155,7 +157,7 @@ def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Nam
     root = tempfile.mkdtemp(prefix="iotlake-nab-")
     # no row can be late (commits are in event-time order); a watermark wider than the corpus
     # also keeps the offline timeout from firing
-    settings = load_settings(environ={}, data_root=root,
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=root,
                              spark={"master": "local[2]", "shuffle_partitions": 2},
                              stream={"watermark_seconds": span_s + 86_400},
                              gold={"max_files_per_trigger": 1})
@@ -164,7 +166,7 @@ def flags_spark(corpus: list[Series], config: DetectorConfig, args: argparse.Nam
         commits = max(args.commits, -(-len(rows) // args.max_rows))  # one file and batch each
         for chunk in np.array_split(np.arange(len(rows)), commits):
             write_deltalake(settings.table_path("silver"), pa.Table.from_pandas(
-                rows.iloc[chunk], schema=SILVER, preserve_index=False), mode="append")
+                rows.iloc[chunk], schema=silver_schema(SENSOR), preserve_index=False), mode="append")
         spark = spark_session(settings, app_name="iotlake-nab")
         q = gold.health.start(spark, settings, trigger="available_now")
         q.awaitTermination()

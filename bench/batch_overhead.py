@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleets import SENSOR
 from silver_throughput import build_bronze, tree_cpu  # bench/ is on sys.path
 
 import gold.health
@@ -36,7 +37,7 @@ from lakehouse.spark import spark_session
 
 
 def settings_for(root: Path, name: str, batch_rows: int, conf: dict[str, str]) -> Settings:
-    return load_settings(environ={}, data_root=str(root / name),
+    return load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / name),
                          # one bronze commit (= one file, --batch-rows rows) per silver batch;
                          # a silver batch writes about two files (the local session's parallelism)
                          stream={"silver_max_files_per_trigger": 1, "silver_max_bytes_per_trigger": 0},

@@ -50,6 +50,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from fleets import SENSOR
+
 from lakehouse.settings import Settings, load_settings
 from orchestration.services import free_port
 
@@ -386,17 +388,16 @@ def gold_expected(silver, size: int = 60, every: int | None = None) -> Any:
     recomputed with pandas from silver rows."""
     import pandas as pd
 
-    from lakehouse.tables import METRICS
 
     every = every or size
-    df = silver.select(["device_id", "event_time", *METRICS]).to_pandas()
+    df = silver.select(["device_id", "event_time", *SENSOR.metric_names]).to_pandas()
     if df.empty:
         return pd.DataFrame(columns=["device_id", "metric", "window_start", "count", "mean", "min",
                                      "max", "std", "last"])
     first = df["event_time"].dt.floor(f"{every}s")  # the latest window start covering a reading
     df = pd.concat([df.assign(window_start=first - pd.Timedelta(seconds=k * every))
                     for k in range(size // every)], ignore_index=True)
-    long = df.melt(id_vars=["device_id", "window_start", "event_time"], value_vars=list(METRICS),
+    long = df.melt(id_vars=["device_id", "window_start", "event_time"], value_vars=list(SENSOR.metric_names),
                    var_name="metric").dropna(subset=["value"]).sort_values("event_time", kind="stable")
     g = long.groupby(["device_id", "metric", "window_start"])["value"]
     return g.agg(["count", "mean", "min", "max", "std", "last"]).reset_index()
@@ -584,7 +585,7 @@ def verify(settings: Settings, messages: list) -> dict[str, Any]:
 
 def chaos_settings(cfg: ChaosConfig, kafka_port: int, mqtt_port: int) -> Settings:
     return load_settings(
-        environ={},
+        environ={}, telemetry=SENSOR.model_dump(mode="json"),
         data_root=str(cfg.root / "lake"),
         kafka={"bootstrap": f"127.0.0.1:{kafka_port}", "embedded_port": kafka_port,
                "topic": "telemetry", "dead_letter_topic": "telemetry-dlq",

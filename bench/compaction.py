@@ -28,10 +28,11 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
+from fleets import SENSOR
 
 from lakehouse.delta_tables import ensure_table
 from lakehouse.settings import load_settings
-from lakehouse.tables import SILVER
+from lakehouse.tables import silver_schema
 from orchestration.maintenance import compact, session
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
@@ -66,7 +67,7 @@ def batch(i: int, rows: int, devices: int, rng: random.Random) -> pa.Table:
         "kafka_partition": [k % 4 for k in range(rows)],
         "kafka_offset": list(range(base, base + rows)),
         "ingest_time": times,
-    }, schema=SILVER)
+    }, schema=silver_schema(SENSOR))
 
 
 def run_query(path: str, sql: str, hours: int) -> tuple[float, list[tuple]]:
@@ -123,11 +124,11 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-bench-"))
     try:
-        base = load_settings(environ={}, data_root=str(root / "base"),
+        base = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "base"),
                              spark={"master": "local[2]", "shuffle_partitions": 2})
         spark = session(base)
         path = base.table_path("silver")
-        ensure_table(spark, path, SILVER)  # as the streams create it
+        ensure_table(spark, path, silver_schema(SENSOR))  # as the streams create it
         rng = random.Random(7)
         t = time.perf_counter()
         for i in range(args.commits):
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                      "rows": args.commits * args.rows, "target_size": args.target_size,
                      "before": {k: round(v[0], 4) for k, v in before.items()}}
         for layout in ("compact", "zorder", "liquid"):
-            s = load_settings(environ={}, data_root=str(root / layout))
+            s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / layout))
             p = s.table_path("silver")
             shutil.copytree(path, p)
             t = time.perf_counter()

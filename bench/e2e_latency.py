@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fleets import SENSOR  # noqa: E402
 from procs import IOTLAKE, by_role, stop_now  # noqa: E402  (bench/ is on sys.path)
 
 from lakehouse.delta_read import commit_adds, latest_version  # noqa: E402
@@ -104,7 +105,7 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
     spark_opts = {"shuffle_partitions": args.shuffle_partitions} if args.shuffle_partitions else {}
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-e2e-"))
-    settings = load_settings(environ={}, data_root=str(root / "lake"),
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "lake"),
                              kafka={"embedded_port": free_port(pair=True)}, mqtt={"embedded_port": free_port()},
                              stream={"trigger_seconds": args.trigger_seconds,
                                      "gold_trigger_seconds": args.gold_trigger_seconds,

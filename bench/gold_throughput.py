@@ -39,12 +39,13 @@ import numpy as np
 import psutil
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
+from fleets import SENSOR  # bench/ is on sys.path
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.state import GroupStateTimeout
 from pyspark.sql.types import DoubleType, LongType, StructField, StructType
-from silver_throughput import PROFILES, floor_query, profile_model  # bench/ is on sys.path
+from silver_throughput import PROFILES, floor_query, profile_model
 
 import gold.health
 import gold.windows
@@ -52,15 +53,14 @@ from gold.device_state import state_files
 from lakehouse.delta_tables import spark_schema
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
-from lakehouse.tables import SILVER, silver_schema
-from lakehouse.telemetry import TelemetryModel
+from lakehouse.tables import silver_schema
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 STEP_S = 10  # every device reports every STEP_S seconds of event time
 
 
-#: the telemetry model of the run (``--profile``); the sensor's by default
-MODEL = TelemetryModel()
+#: the telemetry model of the run (``--profile``); the example sensor's by default
+MODEL = SENSOR
 #: gold.health_state for the runs (None: the setting's default)
 HEALTH_STATE: str | None = None
 
@@ -106,7 +106,7 @@ def model_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa.
 
 def silver_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa.Table:
     """Readings lo..hi-1: reading i is device i % devices at T0 + (i // devices) * STEP_S."""
-    if MODEL != TelemetryModel():
+    if MODEL != SENSOR:
         return model_batch(lo, hi, devices, rng)
     i = np.arange(lo, hi)
     dev = i % devices
@@ -124,7 +124,7 @@ def silver_batch(lo: int, hi: int, devices: int, rng: np.random.Generator) -> pa
         "status": pa.array(status), "schema_version": pa.array(np.ones(n, np.int32)),
         "extra": pa.nulls(n, pa.string()), "kafka_partition": pa.array(np.zeros(n, np.int32)),
         "kafka_offset": i, "ingest_time": pa.array(t_us, pa.timestamp("us", tz="UTC")),
-    }).cast(SILVER)
+    }).cast(silver_schema(SENSOR))
 
 
 def write_silver(settings: Settings, readings: int, devices: int, commits: int) -> float:
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-floors", action="store_true",
                     help="skip the floor runs (the same readings through Spark and Delta alone)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="sensor",
-                    help="whose readings: the bundled sensor's, or examples/pump.toml's model")
+                    help="whose readings: an example fleet's (examples/sensor.toml, examples/pump.toml)")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark conf (repeatable), as iotlake.toml's [spark.conf] gives it")
     ap.add_argument("--health-state", choices=["driver", "state_store"], default=None,

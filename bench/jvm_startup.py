@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fleets import SENSOR  # noqa: E402
+
 from ingest.simulator import generate  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from tests.lakehouse_fixture import write_bronze  # noqa: E402
@@ -52,7 +54,7 @@ MODES = {"default": ("", ""), "c1": ("-XX:TieredStopAtLevel=1", ""),
 
 def build(root: Path) -> Path:
     """A lake with 500 bronze rows (duplicates and malformed included) and its config file."""
-    lake = load_settings(environ={}, data_root=str(root),
+    lake = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root),
                          spark={"master": "local[2]", "shuffle_partitions": 2})
     msgs = generate(lake, 500, devices=5, duplicates=12, malformed=8, rate=100.0,
                     start=datetime(2026, 11, 24, tzinfo=UTC))

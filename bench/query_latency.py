@@ -32,10 +32,15 @@ from deltalake import WriterProperties, write_deltalake
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fleets import SENSOR  # noqa: E402
+
 from dashboard.app import Memo, TableCache, create_app  # noqa: E402
 from lakehouse.settings import Settings, load_settings  # noqa: E402
-from lakehouse.tables import METRICS, SCHEMAS  # noqa: E402
+from lakehouse.tables import schemas  # noqa: E402
 from orchestration.query import run_query  # noqa: E402
+
+METRICS = SENSOR.metric_names  # the example sensor fleet's lake
+SCHEMAS = schemas(SENSOR)
 
 PROPS = WriterProperties(max_row_group_size=64 * 1024, compression="ZSTD")
 BASE = {"temperature": (21.0, 0.8), "humidity": (45.0, 3.0), "battery": (80.0, 0.5)}
@@ -154,7 +159,7 @@ def main() -> None:
         args.devices, args.days, args.runs = 20, 1, 2
     load0 = round(os.getloadavg()[0], 2)  # the machine is shared: say how busy it was
     root = Path(args.data_root or tempfile.mkdtemp(prefix="iotlake-bench-"))
-    settings = load_settings(environ={}, data_root=str(root))
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root))
     now = datetime.now(UTC).replace(second=0, microsecond=0)
     t = time.perf_counter()
     if not (root / "tables" / "device_current").exists():

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 from deltalake import DeltaTable
+from fleets import SENSOR
 
 from lakehouse.kafka_config import client_config
 from lakehouse.kafka_topics import ensure_topics
@@ -140,7 +141,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="iotlake-bench-scaling-"))
     port = free_port(pair=True)  # the broker's controller listens on port + 1
-    base = load_settings(environ={}, data_root=str(work / "lake"), kafka={"embedded_port": port},
+    base = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(work / "lake"), kafka={"embedded_port": port},
                          observability={"metrics_port": 0})
     broker = kafka_service(base, port).start()
     try:

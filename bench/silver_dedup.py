@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleets import SENSOR
 from silver_throughput import build_bronze, counters, tree_cpu  # bench/ is on sys.path
 
 import silver.stream
@@ -39,7 +40,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def run(spark, root: Path, mode: str, bronze: str, batch_rows: int, edge: int) -> dict:
-    s = load_settings(environ={}, data_root=str(root / mode),
+    s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / mode),
                       stream={"watermark_seconds": 600, "dedup": mode,
                               "silver_max_files_per_trigger": 1,  # one bronze commit per batch
                               "silver_max_bytes_per_trigger": 0})
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         expected = build_bronze(bronze, args.rows, args.rows // args.batch_rows, step_ms=args.step_ms)
         warm = str(root / "warm_bronze")
         build_bronze(warm, 4 * args.batch_rows, 4, seed=1, step_ms=args.step_ms)
-        spark = spark_session(load_settings(environ={}, data_root=str(root / "spark")),
+        spark = spark_session(load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "spark")),
                               app_name="iotlake-dedup-bench")
         for mode in () if args.smoke else ("state_store", "index"):  # a smoke run measures nothing
             run(spark, root / "warm", mode, warm, args.batch_rows, 1)

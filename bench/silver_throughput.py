@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pyarrow as pa
 from deltalake import write_deltalake
+from fleets import SENSOR, example  # bench/ is on sys.path
 from pyspark.sql import functions as F
 from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
@@ -68,10 +69,9 @@ def _payload(i: int, rng: random.Random, over: dict | None = None, step_ms: floa
     return ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items() if v is not None) + "}").encode()
 
 
-#: ``--profile``: a telemetry model file (``[telemetry]``) whose readings the bronze table holds;
-#: "sensor" is the default model (the bundled simulator's).
-PROFILES = {"sensor": None, "pump": Path(__file__).resolve().parents[1] / "examples" / "pump.toml",
-            "sparkplug": None}
+#: ``--profile``: whose readings the bronze table holds: an example fleet's (``examples/``),
+#: or Sparkplug B's.
+PROFILES = ("sensor", "pump", "sparkplug")
 #: the Sparkplug profile's metrics (Sparkplug names -> silver columns), each in [0, 100]
 SPARKPLUG_METRICS = [{"name": f"m{k}", "path": f"Line/Metric {k}", "min": 0.0, "max": 100.0} for k in range(1, 6)]
 
@@ -79,8 +79,7 @@ SPARKPLUG_METRICS = [{"name": f"m{k}", "path": f"Line/Metric {k}", "min": 0.0, "
 def profile_model(name: str) -> TelemetryModel:
     if name == "sparkplug":
         return TelemetryModel(sparkplug=True, metrics=SPARKPLUG_METRICS)
-    f = PROFILES[name]
-    return load_settings(f, environ={}).telemetry if f else TelemetryModel()
+    return example(name)
 
 
 class SparkplugBronze:
@@ -203,11 +202,11 @@ class ModelBronze:
 def build_bronze(path: str, rows: int, commits: int, seed: int = 0, step_ms: float = 10,
                  model: TelemetryModel | None = None) -> Counter[str]:
     """Write the bronze table (event times ``step_ms`` apart); returns the expected silver
-    accounting. ``model``: payloads of that telemetry model instead of the sensor's."""
+    accounting. ``model``: payloads of that telemetry model instead of the example sensor's."""
     if model is not None and model.sparkplug:
         return build_sparkplug_bronze(path, rows, commits, seed, step_ms)
     rng = random.Random(seed)
-    shaped = ModelBronze(model, rng, step_ms) if model is not None and model != TelemetryModel() else None
+    shaped = ModelBronze(model, rng, step_ms) if model is not None and model != SENSOR else None
     kinds = ["dup"] * (rows // 100) + ["bad"] * (rows // 100)
     kinds += ["ok"] * (rows - len(kinds))
     rng.shuffle(kinds)
@@ -390,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Spark conf (repeatable), e.g. to try a state store setting")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="sensor",
-                    help="whose readings: the bundled sensor's, or examples/pump.toml's model")
+                    help="whose readings: an example fleet's (examples/*.toml) or Sparkplug B's")
     ap.add_argument("--smoke", action="store_true", help="a small run that checks the bench works")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -436,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(name, json.dumps(runs[name]), flush=True)
                 continue
             if name == "json":
-                s = s.model_copy(update={"telemetry": TelemetryModel()})
+                s = s.model_copy(update={"telemetry": SENSOR})
                 runs[name] = run_silver(spark, s, json_bronze, True)
                 assert counters(s) == json_expected, f"json: accounting {dict(counters(s))}"
                 print(name, json.dumps(runs[name]), flush=True)

@@ -40,10 +40,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e_latency import _achieved_rate, _probe, _wait, _watch  # noqa: E402  (bench/ is on sys.path)
+from fleets import SENSOR  # noqa: E402
 from procs import IOTLAKE, by_role, stop_now  # noqa: E402
 
 from lakehouse.settings import Settings, load_settings  # noqa: E402
-from lakehouse.tables import RETENTION_COLUMNS, SCHEMAS  # noqa: E402
+from lakehouse.tables import RETENTION_COLUMNS, TABLES  # noqa: E402
 from orchestration.services import free_port  # noqa: E402
 
 #: The analyst's query: last ten minutes of per-device means.
@@ -85,7 +86,7 @@ def soak_settings(root: Path, retention_minutes: float) -> Settings:
     hours = retention_minutes / 60
     bucket = max(d for d in range(1, 1441) if 1440 % d == 0 and d <= max(1.0, retention_minutes / 2))
     return load_settings(
-        environ={}, data_root=str(root / "lake"),
+        environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "lake"),
         kafka={"embedded_port": free_port(pair=True), "embedded_retention_bytes": 16 << 20,
                "embedded_segment_bytes": 4 << 20},
         mqtt={"embedded_port": free_port()},
@@ -210,7 +211,7 @@ def sample(settings: Settings, pid: int, reader: Readers, t: float) -> dict:
 
     roles = by_role([pid])
     tables = {}
-    for name in SCHEMAS:
+    for name in TABLES:
         path = Path(settings.table_path(name))
         if not (path / "_delta_log").exists():
             continue

@@ -61,7 +61,6 @@ from lakehouse.streams import foreach_batch, pin_mode, pool, query_id, trigger_k
 from lakehouse.tables import (
     ANOMALIES,
     DEVICE_STATUS_HISTORY,
-    METRICS,
     READINGS_SCORED,
     device_current_schema,
 )
@@ -89,8 +88,6 @@ def out_schema(metrics: tuple[str, ...]) -> str:
     ])
 
 
-#: For the default telemetry model (the stream builds its own from ``settings.telemetry``).
-OUT_SCHEMA = out_schema(METRICS)
 _NAT = np.iinfo(np.int64).min  # timestamps are carried as int64 ns, NaT = null
 #: The status a reading reports when its device is gone (silver's rows for Sparkplug deaths)
 REPORTED_OFFLINE = "offline"
@@ -188,13 +185,13 @@ def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
                                  null_count=int((~present).sum()))
 
 
-def load_devices(blob: str, state_len: int, metrics: tuple[str, ...] = METRICS,
+def load_devices(blob: str, state_len: int, metrics: tuple[str, ...],
                  cfg: DetectorConfig | None = None) -> Bucket:
     """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
     return bucket_of(pa.ipc.open_stream(base64.b64decode(blob)).read_all(), state_len, metrics, cfg)
 
 
-def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...] = METRICS,
+def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...],
               cfg: DetectorConfig | None = None) -> Bucket:
     """Devices from their rows (``device_state_schema``, perhaps of other metrics)."""
     n, k = t.num_rows, len(metrics)
@@ -224,7 +221,7 @@ def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...] = METRICS,
         dets, det_set)
 
 
-def dump_devices(b: Bucket, metrics: tuple[str, ...] = METRICS) -> str:
+def dump_devices(b: Bucket, metrics: tuple[str, ...]) -> str:
     """Inverse of :func:`load_devices`."""
     table = devices_table(b, metrics)
     sink = pa.BufferOutputStream()
@@ -233,7 +230,7 @@ def dump_devices(b: Bucket, metrics: tuple[str, ...] = METRICS) -> str:
     return base64.b64encode(sink.getvalue()).decode("ascii")
 
 
-def devices_table(b: Bucket, metrics: tuple[str, ...] = METRICS, rows: np.ndarray | None = None) -> pa.Table:
+def devices_table(b: Bucket, metrics: tuple[str, ...], rows: np.ndarray | None = None) -> pa.Table:
     """The devices at positions ``rows`` (all by default) as rows of ``device_state_schema``."""
     def at(a: np.ndarray) -> np.ndarray:
         return a if rows is None else a[rows]
@@ -316,12 +313,12 @@ class Rules:
         return np.array([names[c] for c in codes.tolist()], dtype=object)
 
 
-def health_fn(gold: GoldSettings, model: TelemetryModel | None = None):
+def health_fn(gold: GoldSettings, model: TelemetryModel):
     """The per-bucket state function (a closure over the rules, shipped to executors)."""
     cfg = DetectorConfig(threshold=gold.anomaly_threshold)
     state_len = len(state_fields(cfg))
     timeout_ms = gold.offline_after_seconds * 1000
-    rules = Rules.of(model or TelemetryModel())
+    rules = Rules.of(model)
     metrics = rules.metrics
     out_types = dict(c.split() for c in out_schema(metrics).split(", "))
 
@@ -570,7 +567,7 @@ def model_name(names: Column, index: Column) -> Column:
     return F.when(index.isNotNull(), F.element_at(names, index.cast("int") + 1))
 
 
-def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:
+def readings_scored(readings: DataFrame, metrics: tuple[str, ...]) -> DataFrame:
     """Unpivot the state function's reading rows: one row per present metric."""
     names = F.array(*[F.lit(name) for name in MODELS])
     per_metric = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).alias("value"),
@@ -588,6 +585,7 @@ def readings_scored(readings: DataFrame, metrics: tuple[str, ...] = METRICS) -> 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
     from gold.windows import silver_stream
 
+    settings.telemetry.require_metrics()
     ckpt = settings.checkpoint_path(QUERY)
     mode = settings.gold.health_state
     pin_mode(ckpt, "gold.health_state", mode,

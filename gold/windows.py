@@ -41,7 +41,7 @@ from lakehouse.delta_read import table_exists
 from lakehouse.delta_tables import append, ensure_named_table, timestamp_literal, upsert_recent
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
-from lakehouse.tables import METRIC_WINDOWS, METRICS
+from lakehouse.tables import METRIC_WINDOWS
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,9 @@ COLUMNS = METRIC_WINDOWS.names
 #: Rows per file of the merged tables, at least (``delta_tables.upsert_recent``: a batch rewrites
 #: the files holding its windows; four times the batch's windows per file, or this).
 MIN_ROWS_PER_FILE = 10_000
-#: The silver columns the window stream reads, for the default telemetry model.
-WINDOW_INPUT = ["device_id", "event_time", *METRICS]
 
 
-def readings_long(silver: DataFrame, metrics: tuple[str, ...] = METRICS) -> DataFrame:
+def readings_long(silver: DataFrame, metrics: tuple[str, ...]) -> DataFrame:
     """One row per (reading, metric) with a non-null value; the state is keyed by metric, so a
     metric added to the model needs no new checkpoint."""
     pairs = F.array(*[F.struct(F.lit(m).alias("metric"), F.col(m).cast("double").alias("value")) for m in metrics])
@@ -83,8 +81,8 @@ def stale_tables(settings: Settings) -> list[str]:
             if t not in written and table_exists(settings.table_path(t))]
 
 
-def window_aggregates(silver: DataFrame, window_seconds: int, watermark_seconds: int,
-                      slide_seconds: int | None = None, metrics: tuple[str, ...] = METRICS) -> DataFrame:
+def window_aggregates(silver: DataFrame, metrics: tuple[str, ...], window_seconds: int,
+                      watermark_seconds: int, slide_seconds: int | None = None) -> DataFrame:
     w = F.window("event_time", f"{window_seconds} seconds",
                  f"{slide_seconds} seconds" if slide_seconds else None)
     return (
@@ -240,6 +238,7 @@ def sliding_windows(spark: SparkSession, tumbling_path: str, changed: DataFrame,
 
 
 def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> StreamingQuery:
+    metrics = settings.telemetry.require_metrics().gold_metrics
     ckpt = settings.checkpoint_path(TABLE)
     stale = stale_tables(settings)
     if stale:
@@ -248,10 +247,8 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     for name in tables(settings):
         ensure_named_table(spark, settings, name, METRIC_WINDOWS)
     batch = MergeBatch(settings, query_id(ckpt), ckpt)
-    metrics = settings.telemetry.gold_metrics
     agg = window_aggregates(silver_stream(spark, settings, columns=["device_id", "event_time", *metrics]),
-                            settings.stream.window_seconds, settings.stream.watermark_seconds,
-                            metrics=metrics)
+                            metrics, settings.stream.window_seconds, settings.stream.watermark_seconds)
     writer = (
         foreach_batch(agg, TABLE, batch).outputMode("update")
         .option("checkpointLocation", ckpt)

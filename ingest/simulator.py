@@ -43,6 +43,15 @@ class Message:
     kind: str
 
 
+#: The payloads ``Fleet``'s own fast path writes (the environmental sensor): a model of this
+#: shape (``examples/sensor.toml``) is simulated by it, any other by ``ModelPayloads``.
+SENSOR = TelemetryModel(metrics=[
+    {"name": "temperature", "unit": "°C", "min": -40.0, "max": 125.0},
+    {"name": "humidity", "unit": "%", "min": 0.0, "max": 100.0},
+    {"name": "battery", "unit": "%", "min": 0.0, "max": 100.0},
+])
+
+
 def device_id(index: int) -> str:
     return f"dev-{index + 1:05d}"
 
@@ -81,9 +90,9 @@ class Fleet:
         self.start = start.replace(microsecond=start.microsecond // 1000 * 1000)
         self.interval = timedelta(seconds=devices / rate)
         self.rng = rng
-        # the model of the bundled sensor takes the fast path below; any other, ModelPayloads
-        model = settings.telemetry
-        self.custom = None if _shape(model) == _shape(TelemetryModel()) else \
+        # the sensor's model takes the fast path below; any other, ModelPayloads
+        model = settings.telemetry.require_metrics()
+        self.custom = None if _shape(model) == _shape(SENSOR) else \
             ModelPayloads(model, rng, devices, settings.simulator.device_prefix)
         self.ids = self.custom.ids if self.custom else [device_id(d) for d in range(devices)]
         self.topics = [device_topic(settings, i, d) for d, i in enumerate(self.ids)]

@@ -15,10 +15,6 @@ from lakehouse.telemetry import TelemetryModel
 TS = pa.timestamp("us", tz="UTC")
 _HEADERS = pa.list_(pa.field("element", pa.struct([("key", pa.string()), ("value", pa.binary())])))
 
-#: The default telemetry model's metrics (the bundled simulator's sensor). Code that serves any
-#: fleet takes them from ``settings.telemetry`` instead.
-METRICS = TelemetryModel().metric_names
-
 BRONZE = pa.schema([
     ("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()),
     ("partition", pa.int32()), ("offset", pa.int64()), ("timestamp", TS),
@@ -30,18 +26,17 @@ _METRIC_TYPES = {"double": pa.float64(), "long": pa.int64()}
 
 def silver_schema(model: TelemetryModel) -> pa.Schema:
     """Silver's columns for a telemetry model: one typed column per declared metric and one
-    string column per named topic part, between the identity and the bookkeeping columns."""
+    string column per named topic part, between the identity and the bookkeeping columns.
+    A model without metrics has no silver table (``TelemetryModel.require_metrics``)."""
     return pa.schema([
         ("event_id", pa.string()), ("device_id", pa.string()), ("event_time", TS),
-        *[(m.name, _METRIC_TYPES[m.type]) for m in model.metrics],
+        *[(m.name, _METRIC_TYPES[m.type]) for m in model.require_metrics().metrics],
         *[(c, pa.string()) for c in model.topic_columns],
         ("status", pa.string()), ("schema_version", pa.int32()),
         ("extra", pa.string()),  # top-level payload fields the model does not read, as JSON
         ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()), ("ingest_time", TS),
     ])
 
-
-SILVER = silver_schema(TelemetryModel())
 
 QUARANTINE = pa.schema([
     ("reason", pa.string()),  # comma-separated: parse reasons or failed expectation names
@@ -67,8 +62,6 @@ def device_current_schema(model: TelemetryModel) -> pa.Schema:
         ("anomaly_score", pa.float64()), ("updated_at", TS),
     ])
 
-
-DEVICE_CURRENT = device_current_schema(TelemetryModel())
 
 DEVICE_STATUS_HISTORY = pa.schema([
     ("device_id", pa.string()), ("status", pa.string()), ("previous_status", pa.string()),
@@ -104,21 +97,32 @@ PIPELINE_METRICS = pa.schema([
     ("watermark", pa.string()), ("lag", pa.int64()), ("progress_json", pa.string()),
 ])
 
-SCHEMAS: dict[str, pa.Schema] = {
+#: Every table's schema but those that follow the telemetry model (``schemas``).
+_FIXED: dict[str, pa.Schema] = {
     "bronze": BRONZE,
-    "silver": SILVER,
     "quarantine": QUARANTINE,
     "gold_metrics_1m": METRIC_WINDOWS,
     "gold_metrics_5m": METRIC_WINDOWS,
     "gold_metrics_1m_final": METRIC_WINDOWS,  # append-only: closed windows, each once
     "gold_metrics_5m_final": METRIC_WINDOWS,
-    "device_current": DEVICE_CURRENT,
     "device_status_history": DEVICE_STATUS_HISTORY,
     "readings_scored": READINGS_SCORED,
     "anomalies": ANOMALIES,
     "quality_log": QUALITY_LOG,
     "pipeline_metrics": PIPELINE_METRICS,
 }
+
+#: Every table's name, in the order a record passes them.
+TABLES: tuple[str, ...] = (
+    "bronze", "silver", "quarantine", "gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final",
+    "gold_metrics_5m_final", "device_current", "device_status_history", "readings_scored",
+    "anomalies", "quality_log", "pipeline_metrics")
+
+
+def schemas(model: TelemetryModel) -> dict[str, pa.Schema]:
+    """Every table's schema, silver's and device_current's for ``model``."""
+    own = {"silver": silver_schema(model), "device_current": device_current_schema(model)}
+    return {n: own.get(n) or _FIXED[n] for n in TABLES}
 
 
 #: The time column retention expires each table's rows by (``maintenance.retention_days``):

@@ -7,17 +7,14 @@ where the device id comes from (a payload field, a named part of the MQTT topic,
 which case they must agree). Silver parses by it, its table has one typed column per declared
 metric, and the default expectation suite is generated from it (``iotlake expectations``).
 
-The default metrics and status rules (``telemetry_default.toml``) describe the bundled
-simulator's environmental sensor, so a fresh checkout runs without any configuration; no code
-assumes them.
+There are no default metrics: iotlake knows nothing of a fleet it was not told about, and a
+pipeline started without any fails at once naming the key (``require_metrics``). The example
+fleets in ``examples/`` (the simulator's sensor and an industrial pump) are complete models.
 """
 
 from __future__ import annotations
 
 import re
-import tomllib
-from functools import lru_cache
-from importlib.resources import files
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -92,19 +89,6 @@ class StatusRule(_Model):
         return self
 
 
-@lru_cache(maxsize=1)
-def _defaults() -> dict:
-    return tomllib.loads(files("lakehouse").joinpath("telemetry_default.toml").read_text("utf-8"))
-
-
-def _default_metrics() -> list[Metric]:
-    return [Metric(**m) for m in _defaults()["metrics"]]
-
-
-def _default_rules() -> list[StatusRule]:
-    return [StatusRule(**r) for r in _defaults()["status_rules"]]
-
-
 class TelemetryModel(_Model):
     """Where things are in a fleet's payloads and topics (``[telemetry]``)."""
 
@@ -126,27 +110,19 @@ class TelemetryModel(_Model):
     schema_version_path: str = "schema_version"
     device_id_max_length: int = Field(128, ge=1, le=1024)
     # The Great Expectations suite silver validates with (``iotlake expectations --out F``
-    # writes a starting one for this model); "" = the bundled expectations/telemetry.json.
+    # writes a starting one for this model); "" = the suite generated from this model.
     suite: str = ""
-    metrics: list[Metric] = Field(default_factory=_default_metrics, min_length=1)
+    # The readings; none declared = nothing to run (``require_metrics``).
+    metrics: list[Metric] = Field(default_factory=list)
     # Rules on gold metrics that make a device ``degraded``; a device reporting
     # ``error_status`` (in the status field) is degraded too ("" = never).
-    status_rules: list[StatusRule] = Field(default_factory=_default_rules)
+    status_rules: list[StatusRule] = Field(default_factory=list)
     error_status: str = "error"
     # Also take Sparkplug B messages (``spBv1.0/{group}/{type}/{edge_node}[/{device}]``):
     # a metric's ``path`` is then its Sparkplug metric name, the device id is
     # ``group/edge_node/device`` (``group/edge_node`` for a node's own metrics). docs/sparkplug.md
     sparkplug: bool = False
     sparkplug_groups: list[str] = Field(default_factory=lambda: ["+"])  # group ids, or + for all
-
-    @model_validator(mode="before")
-    @classmethod
-    def _rules_follow_metrics(cls, data: object) -> object:
-        """The default status rules belong to the default metrics: a model that
-        declares its own metrics starts with no rules."""
-        if isinstance(data, dict) and "metrics" in data and "status_rules" not in data:
-            return {**data, "status_rules": []}
-        return data
 
     @field_validator("device_id_path", "event_id_path", "event_time_path", "status_path",
                      "schema_version_path")
@@ -197,6 +173,16 @@ class TelemetryModel(_Model):
                                  "metric with gold = true")
         if len({r.reason for r in self.status_rules}) != len(self.status_rules):
             raise ValueError("status rules need distinct reasons")
+        return self
+
+    def require_metrics(self) -> TelemetryModel:
+        """This model, if it declares a metric: a pipeline without any fails here, before it
+        starts anything, with what to do."""
+        if not self.metrics:
+            raise ValueError(
+                "no metrics declared: describe your devices' readings in the settings file's "
+                "[telemetry] section (metrics = [{name = ..., path = ...}], README \"Connect your "
+                "devices\"), or run an example fleet: iotlake --config examples/sensor.toml ...")
         return self
 
     # ---- derived -------------------------------------------------------------------------

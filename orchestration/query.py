@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from lakehouse import delta_read
 from lakehouse.delta_read import arrow_dataset
 from lakehouse.settings import Settings
-from lakehouse.tables import SCHEMAS
+from lakehouse.tables import TABLES
 
 
 class QueryError(ValueError):
@@ -31,14 +31,14 @@ _MISSING_TABLE = re.compile(r"Table with name (\S+) does not exist")
 
 def existing_tables(settings: Settings) -> list[str]:
     """Logical tables that have a Delta log under the data root."""
-    return [n for n in SCHEMAS if delta_read.table_exists(settings.table_path(n))]
+    return [n for n in TABLES if delta_read.table_exists(settings.table_path(n))]
 
 
 def referenced_tables(sql: str) -> list[str]:
     """Known table names the SQL mentions (as words outside literals and comments)."""
     text = _NOISE.sub(" ", sql).replace('"', " ")
     words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
-    return [n for n in SCHEMAS if n in words]
+    return [n for n in TABLES if n in words]
 
 
 def open_table(settings: Settings, name: str, as_of_version: int | None = None,
@@ -76,7 +76,7 @@ def run_query(settings: Settings, sql: str, as_of_version: int | None = None,
             return rel.to_arrow_table() if rel is not None else pa.table({})
         except duckdb.CatalogException as e:
             m = _MISSING_TABLE.search(str(e))
-            if m and m.group(1) in SCHEMAS:
+            if m and m.group(1) in TABLES:
                 path = settings.table_path(m.group(1))
                 raise QueryError(f"table '{m.group(1)}' has no data yet (no Delta table at {path})") from None
             if m:

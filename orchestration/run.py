@@ -131,6 +131,8 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
     from orchestration.pipeline import LAYERS, Running, check_alive, start_layers
     from orchestration.services import embedded_services
 
+    if role not in ("bridge", "bronze") or simulate:  # these move payloads without reading them
+        settings.telemetry.require_metrics()  # before any broker starts
     stop = stop or threading.Event()
     hurry = threading.Event()
     native_memory.fix_mmap_threshold()  # this process lives for weeks: see lakehouse.native_memory
@@ -201,6 +203,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
     from orchestration.pipeline import Running, start_layers
     from orchestration.services import embedded_services
 
+    settings.telemetry.require_metrics()
     duplicates = events // 40 if duplicates is None else duplicates
     malformed = events // 100 if malformed is None else malformed
     t0 = time.monotonic()
@@ -277,6 +280,7 @@ def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
     """Each demo gets a fresh data root of its own under ``<data_root>/demo/`` (tables,
     checkpoints and the embedded brokers' logs), so its accounting is its run's alone, never the
     totals of a lake ``iotlake run`` filled."""
+    settings.telemetry.require_metrics()
     settings = settings.model_copy(deep=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     if settings.remote:

@@ -22,7 +22,7 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from lakehouse.settings import Settings
-from lakehouse.tables import SCHEMAS
+from lakehouse.tables import TABLES
 from orchestration.query import QueryError, open_table, referenced_tables
 from orchestration.query_cli import add_read_options, format_table
 
@@ -77,7 +77,7 @@ class SqlSession:
             raise QueryError("give either as_of_version or as_of_timestamp, not both")
         self.versions: dict[str, int] = {}
         self.unreadable: dict[str, str] = {}  # table -> why (no data yet, no such version)
-        for name in SCHEMAS:
+        for name in TABLES:
             try:
                 self.versions[name] = open_table(settings, name, as_of_version,
                                                  as_of_timestamp).version()

@@ -27,6 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--version", type=int, help="Delta table version (default: latest)")
     p.add_argument("--date", type=date.fromisoformat, metavar="YYYY-MM-DD",
                    help="only rows whose event_time falls in this UTC day (a daily check)")
-    p.add_argument("--suite", help="GX suite JSON (default: expectations/telemetry.json)")
+    p.add_argument("--suite", help="GX suite JSON (default: telemetry.suite, else the one generated from the model)")
     p.add_argument("--out", help="output directory (default: <data_root>/quality/<table>/<time>)")
     p.set_defaults(func=_run)

@@ -3,8 +3,8 @@
 The suite file stays what users edit and the single source of silver's rules; this only writes
 a first version that fits the fleet the model describes: ids present, of a sane length and free
 of whitespace and control characters (no id pattern of any one fleet), an event time, and each
-metric within its declared range. ``expectations/telemetry.json`` is this generator's output for
-the default model.
+metric within its declared range. A model that names no suite file is validated with this
+suite as generated at start; the example fleets' suites (``examples/*.json``) are its output.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def default_suite(model: TelemetryModel, name: str = "telemetry") -> dict[str, A
 
 
 def _run(args: argparse.Namespace, settings: Settings) -> int:
-    text = json.dumps(default_suite(settings.telemetry), indent=2, ensure_ascii=False) + "\n"
+    text = json.dumps(default_suite(settings.telemetry.require_metrics()), indent=2, ensure_ascii=False) + "\n"
     if not args.out:
         sys.stdout.write(text)
         return 0
@@ -75,7 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "expectations", help="print (or write) a starting GX suite for the telemetry model",
         description="Generate a Great Expectations suite from the [telemetry] model: ids present, "
                     "of a sane length and printable, event time present, metrics in range. Edit "
-                    "it freely; silver reads the file telemetry.suite names.")
+                    "it freely; silver reads the file telemetry.suite names (without one, this "
+                    "suite as generated at start).")
     p.add_argument("--out", help="write the suite here instead of printing it")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.set_defaults(func=_run)

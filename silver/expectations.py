@@ -1,7 +1,8 @@
 """The telemetry expectation suite, compiled for the silver stream.
 
-The suite is a Great Expectations 1.x file (``expectations/telemetry.json``) so that the same
-rules drive both the stream and the GX reports of ``iotlake validate``. GX itself is too slow per
+The suite is a Great Expectations 1.x file (``telemetry.suite``; without one, the suite generated
+from the telemetry model) so that the same rules drive both the stream and the GX reports of
+``iotlake validate``. GX itself is too slow per
 micro-batch, so row-level expectations are compiled into ONE Spark expression (no UDF) whose
 value names the failed expectations (the quarantine reason): an array (``failed_expectations``)
 or, cheaper per row, a comma-joined string (``failure_names``, the stream's). The stream holds
@@ -32,8 +33,8 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-#: The suite shipped with iotlake (the stream's and ``iotlake validate``'s default).
-DEFAULT_SUITE_PATH = Path(__file__).resolve().parents[1] / "expectations" / "telemetry.json"
+from lakehouse.telemetry import TelemetryModel
+
 #: Name of the column ``failed_expectations`` is usually stored in.
 FAILURES_COL = "failed_expectations"
 
@@ -239,10 +240,21 @@ def _gx_suite_name(p: str, raw: dict, n_checks: int) -> str:
     return suite.name
 
 
-def load_suite(path: str | Path | None = None) -> Suite:
+def suite_for(model: TelemetryModel, path: str | Path | None = None) -> Suite:
+    """The suite silver validates ``model``'s rows with: the file ``path`` or ``model.suite``
+    names, else the one ``iotlake expectations`` would write for the model."""
+    if path or model.suite:
+        return load_suite(path or model.suite)
+    from silver.default_suite import default_suite
+
+    raw = default_suite(model)
+    return _checked("the suite generated from [telemetry]", raw, json.dumps(raw, sort_keys=True).encode())
+
+
+def load_suite(path: str | Path) -> Suite:
     """Read and check a GX suite file; fail fast so a bad edit never reaches the stream. GX
     checks each new content once; the same bytes later skip GX (``_gx_marker``)."""
-    p = str(path or DEFAULT_SUITE_PATH)
+    p = str(path)
     try:
         text = Path(p).read_bytes()
         raw = json.loads(text)
@@ -250,6 +262,10 @@ def load_suite(path: str | Path | None = None) -> Suite:
         raise SuiteError(f"suite file {p}: cannot read: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SuiteError(f"suite file {p}: invalid JSON: {e}") from None
+    return _checked(p, raw, text)
+
+
+def _checked(p: str, raw: Any, text: bytes) -> Suite:
     if not isinstance(raw, dict) or not isinstance(raw.get("expectations"), list):
         raise SuiteError(f"suite file {p}: expected a GX suite object with an 'expectations' list")
     marker = _gx_marker(text)

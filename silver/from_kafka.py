@@ -31,7 +31,7 @@ from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import partition_minutes
 from lakehouse.settings import Settings
 from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
-from silver.expectations import load_suite
+from silver.expectations import suite_for
 from silver.stream import SilverBatchWriter, ensure_tables, pin_dedup_mode, validated, watermarked
 
 QUERY = "bronze_silver"
@@ -80,7 +80,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
         raise ValueError(f'stream.topology = "{settings.stream.topology}" does not run the fused '
                          'query here (it needs JSON payloads deduplicated by the index)')
     check_topology(settings, QUERY)
-    suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
+    suite = suite_for(settings.telemetry, suite_path) if validate else None
     bronze_path, ckpt = settings.table_path(BRONZE_TABLE), settings.checkpoint_path(QUERY)
     ensure_bronze(spark, settings)
     ensure_tables(spark, settings)

@@ -29,12 +29,11 @@ from lakehouse.telemetry import TelemetryModel, topic_parts
 
 SCHEMA_VERSION = 1
 _PAYLOAD = MapType(StringType(), StringType())
-_DEFAULT = TelemetryModel()
 _UNFIT = "__iotlake_unfit"  # the typed parse's corrupt-record column: the payload did not fit
 _CAST = {"double": "double", "long": "bigint"}
 
 
-def parse_checks(model: TelemetryModel = _DEFAULT) -> tuple[tuple[str, str], ...]:
+def parse_checks(model: TelemetryModel) -> tuple[tuple[str, str], ...]:
     """Every parse reason with the payload field it checks; the quality log counts each per
     batch. ``not_json`` is checked on every row, the others only on rows that are JSON objects."""
     checks = [("not_json", "value"), ("missing_event_id", model.event_id_path or "event_id"),
@@ -48,9 +47,6 @@ def parse_checks(model: TelemetryModel = _DEFAULT) -> tuple[tuple[str, str], ...
         checks += [("not_sparkplug", "value"), ("unknown_alias", "metrics")]
     return tuple(checks)
 
-
-#: The default model's checks (the bundled simulator's payloads).
-PARSE_CHECKS = parse_checks()
 
 
 def _nonempty(c: Column) -> Column:
@@ -184,7 +180,7 @@ def topic_device(model: TelemetryModel, levels: Column | None = None) -> tuple[C
     return parts.pop("device_id", None), parts
 
 
-def parse(bronze: DataFrame, model: TelemetryModel = _DEFAULT, keep: tuple[str, ...] = (),
+def parse(bronze: DataFrame, model: TelemetryModel, keep: tuple[str, ...] = (),
           typed: bool = True) -> DataFrame:
     """Bronze rows -> typed columns + ``parse_reasons`` (comma-joined, "" when parseable);
     ``keep``: input columns passed through as they are. ``typed=False`` reads every payload

@@ -56,10 +56,10 @@ from silver.expectations import (
     arrow_quality,
     failure_counts,
     failure_names,
-    load_suite,
     quality_summary,
+    suite_for,
 )
-from silver.parse import PARSE_CHECKS, mqtt_topic, parse, parse_checks
+from silver.parse import mqtt_topic, parse, parse_checks
 from silver.sparkplug import is_sparkplug, sparkplug_rows
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,11 @@ _DEDUP_OP = "StreamingDeduplicateWithinWatermark"
 _PRINTS = ("_print_hi", "_print_lo")  # the dedup index's fingerprints of dedup_key
 
 
-def validated(bronze: DataFrame, suite: Suite | None = None,
-              model: TelemetryModel | None = None, keep: tuple[str, ...] = ()) -> DataFrame:
+def validated(bronze: DataFrame, suite: Suite | None, model: TelemetryModel,
+              keep: tuple[str, ...] = ()) -> DataFrame:
     """Parsed rows with ``reasons`` (comma-joined parse problems, then failed suite
     expectations; "" when valid; a payload that is not JSON gets only ``not_json``) and the
     dedup key and event time; ``keep``: bronze columns passed through (not with Sparkplug)."""
-    model = model or TelemetryModel()
     if model.sparkplug:  # Sparkplug B topics take their own (stateful) decoder
         if keep:
             raise ValueError("Sparkplug rows cannot carry bronze columns through their decoder")
@@ -191,8 +190,7 @@ def dropped_by_spark(spark: SparkSession, query: str, batch_id: int) -> tuple[in
         return None
 
 
-def parse_quality(reasons: pa.ChunkedArray,
-                  checks: tuple[tuple[str, str], ...] = PARSE_CHECKS) -> list[dict]:
+def parse_quality(reasons: pa.ChunkedArray, checks: tuple[tuple[str, str], ...]) -> list[dict]:
     """Quality-log rows (kind ``row``) for every parse check; ``not_json`` is checked on every row,
     the others on the rows that are JSON objects."""
     return parse_quality_counts(len(reasons), failure_counts(reasons), checks)
@@ -208,7 +206,7 @@ def reason_counts(groups: dict[str, int]) -> dict[str, int]:
 
 
 def parse_quality_counts(n: int, counts: dict[str, int],
-                         checks: tuple[tuple[str, str], ...] = PARSE_CHECKS) -> list[dict]:
+                         checks: tuple[tuple[str, str], ...]) -> list[dict]:
     """``parse_quality`` from the batch's row count and its rows per reason."""
     n_json = n - counts.get("not_json", 0)
     rows = []
@@ -387,7 +385,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
           suite_path: Path | None = None, validate: bool = True,
           bronze_path: str | None = None, bronze_ending_version: int | None = None) -> StreamingQuery:
     """Start the silver stream; ``validate=False`` skips the suite (parse and dedup only)."""
-    suite = load_suite(suite_path or settings.telemetry.suite or None) if validate else None
+    suite = suite_for(settings.telemetry, suite_path) if validate else None
     ckpt = settings.checkpoint_path(TABLE)
     ensure_tables(spark, settings)
     app_id = query_id(ckpt)

@@ -27,7 +27,7 @@ from great_expectations.data_context.types.base import (
 
 from lakehouse.delta_read import table_exists
 from lakehouse.settings import Settings
-from silver.expectations import load_suite
+from silver.expectations import suite_for
 
 _SITE = "iotlake"
 RESULT_FILE = "validation_result.json"
@@ -84,7 +84,7 @@ def validate_table(settings: Settings, table: str, version: int | None = None,
     ``unexpected_counts`` (name -> count, None for aggregate checks) and per-expectation details.
     """
     dt = _open(settings, table, version)
-    suite = load_suite(suite_path or settings.telemetry.suite or None)
+    suite = suite_for(settings.telemetry, suite_path)
     present = {f.name for f in dt.schema().fields}
     columns = [c for c in suite.columns if c in present]  # missing ones: GX reports them
     if day is None:

@@ -14,6 +14,8 @@ import pytest
 # them as their scripts do, by sibling name.
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 
+from fleets import SENSOR  # noqa: E402
+
 from lakehouse.settings import Settings, load_settings  # noqa: E402
 from orchestration.services import embedded_services  # noqa: E402
 
@@ -77,11 +79,13 @@ _topic_seq = iter(range(1, 1_000_000))
 
 @pytest.fixture
 def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
-    """Per-test settings: own data root and own Kafka topics on the shared brokers."""
+    """Per-test settings: own data root and own Kafka topics on the shared brokers; the example
+    sensor fleet (the simulator's)."""
     n = next(_topic_seq)
     s = load_settings(
         environ={},
         data_root=str(tmp_path / "lake"),
+        telemetry=SENSOR.model_dump(mode="json"),
         kafka={
             "bootstrap": services_settings.kafka_bootstrap,
             "topic": f"telemetry-{n}",

@@ -15,9 +15,14 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 from deltalake import write_deltalake
+from fleets import SENSOR
 
 from lakehouse.settings import Settings
-from lakehouse.tables import METRICS, SCHEMAS
+from lakehouse.tables import schemas
+
+#: the lakehouse is the example sensor fleet's
+SCHEMAS = schemas(SENSOR)
+METRICS = SENSOR.metric_names
 
 STATUSES = ("online", "degraded", "offline")
 BASE = {"temperature": (21.0, 0.8), "humidity": (45.0, 3.0), "battery": (80.0, 0.5)}

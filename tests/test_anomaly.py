@@ -337,12 +337,13 @@ def test_version_2_state_continues_without_warm_up() -> None:
     with pytest.raises(ValueError, match="neither"):
         upgrade_rows(v2[None, :-1], cfg)
     # through gold.health's state encoding as well
-    k = len(health.METRICS)
+    metrics = ("a", "b", "c")
+    k = len(metrics)
     b = health.Bucket.empty(v2.size, k)
     b.index(np.array(["dev-1"], dtype=object))
     b.dets[0, 0] = v2
     b.det_set[0, 0] = True
-    got = health.load_devices(health.dump_devices(b), len(STATE_FIELDS), cfg=cfg)
+    got = health.load_devices(health.dump_devices(b, metrics), len(STATE_FIELDS), metrics, cfg=cfg)
     np.testing.assert_array_equal(got.dets[0, 0], up[0])
 
 
@@ -355,17 +356,18 @@ def test_health_state_of_version_1_loads_upgraded() -> None:
     x, t, _ = synthetic(1)
     row = np.asarray(score_batch(x[:800], t[:800], None, cfg)[3].to_row())
     v1 = np.r_[1.0, row[1:_V1_SCALARS], row[row.size - 4 * cfg.season_bins:]]
-    k = len(health.METRICS)
+    metrics = ("a", "b", "c")
+    k = len(metrics)
     b = health.Bucket.empty(v1.size, k)
     b.index(np.array(["dev-1", "dev-2"], dtype=object))
     b.dets[0, 0] = v1  # dev-1 has a version-1 state for the first metric only
     b.det_set[0, 0] = True
-    got = health.load_devices(health.dump_devices(b), len(STATE_FIELDS), cfg=cfg)
+    got = health.load_devices(health.dump_devices(b, metrics), len(STATE_FIELDS), metrics, cfg=cfg)
     assert got.dets.shape == (k, 2, len(STATE_FIELDS))
     assert got.det_set.tolist() == b.det_set.tolist()
     assert got.dets[0, 0, 0] == row[0] and got.dets[0, 0, 1] == 800  # version, readings learnt
     np.testing.assert_array_equal(got.dets[0, 0], DetectorState.from_row(v1.tolist()).to_row())
-    same = health.load_devices(health.dump_devices(got), len(STATE_FIELDS), cfg=cfg)
+    same = health.load_devices(health.dump_devices(got, metrics), len(STATE_FIELDS), metrics, cfg=cfg)
     np.testing.assert_array_equal(same.dets, got.dets)  # current states pass through
 
 

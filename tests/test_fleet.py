@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from fleets import ROOT, SENSOR
 
 import silver.stream
 from lakehouse.settings import SettingsError, load_settings
@@ -24,7 +25,7 @@ from lakehouse.tables import BRONZE, silver_schema
 from lakehouse.telemetry import TelemetryModel
 from orchestration.cli import main as cli_main
 from silver.default_suite import default_suite
-from silver.expectations import DEFAULT_SUITE_PATH, load_suite
+from silver.expectations import load_suite, suite_for
 from silver.parse import only_known_members, parse, payload_struct
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
@@ -123,10 +124,11 @@ def test_topic_and_payload_must_name_the_same_device(spark) -> None:
     records = [("devices/dev-00010/telemetry", sensor("dev-00009")),
                ("devices/dev-00010/telemetry", sensor("dev-00010", "e2")),
                (None, sensor("dev-00009", "e3"))]  # no bridge header: the payload alone
-    rows = parsed(spark, TelemetryModel(), records)
+    rows = parsed(spark, SENSOR, records)
     assert [(r["device_id"], r["reasons"]) for r in rows] == [
         ("dev-00009", "device_mismatch"), ("dev-00010", ""), ("dev-00009", "")]
-    trusted = parsed(spark, TelemetryModel(on_device_mismatch="trust_topic"), records)
+    trusted = parsed(spark, TelemetryModel(**{**SENSOR.model_dump(), "on_device_mismatch": "trust_topic"}),
+                     records)
     assert [(r["device_id"], r["reasons"]) for r in trusted] == [
         ("dev-00010", ""), ("dev-00010", ""), ("dev-00009", "")]
 
@@ -205,7 +207,7 @@ def _odd_payloads(model: TelemetryModel, n: int, seed: int = 7) -> list[tuple[st
     return out
 
 
-@pytest.mark.parametrize("model", [TelemetryModel(**PUMP), TelemetryModel(**DEEP), TelemetryModel()],
+@pytest.mark.parametrize("model", [TelemetryModel(**PUMP), TelemetryModel(**DEEP), SENSOR],
                          ids=["pump", "deep", "sensor"])
 def test_the_typed_parse_reads_payloads_as_the_map_does(spark, model) -> None:
     """Payloads are read from one typed parse of the model's fields; a payload that does not fit
@@ -276,8 +278,8 @@ def test_real_fleet_ids_pass_the_generated_suite(spark) -> None:
            "x" * 129: "device_id_length"}
     records = [(None, sensor(d, f"3f2b8c1e-4a5d-4e6f-9a7b-{i:012d}")) for i, d in enumerate(good)]
     records += [(None, sensor(d, f"bad-{i}")) for i, d in enumerate(bad)]
-    suite = load_suite(DEFAULT_SUITE_PATH)
-    rows = parsed(spark, TelemetryModel(), records, suite)
+    model = SENSOR.model_copy(update={"suite": ""})
+    rows = parsed(spark, model, records, suite_for(model))  # generated from the model
     assert [r["reasons"] for r in rows[:len(good)]] == [""] * len(good)
     assert [r["device_id"] for r in rows[:len(good)]] == good
     assert [r["reasons"] for r in rows[len(good):]] == list(bad.values())
@@ -342,11 +344,27 @@ def test_a_metric_added_to_a_running_deployment(spark, tmp_path: Path) -> None:
     assert "humidity" in t.columns and t.humidity.isna().tolist() == [False, False, True]
 
 
-def test_bundled_suite_is_the_default_models() -> None:
-    assert json.loads(DEFAULT_SUITE_PATH.read_text()) == json.loads(
-        json.dumps(default_suite(TelemetryModel()), ensure_ascii=False))
-    names = [c.name for c in load_suite(DEFAULT_SUITE_PATH).checks]
+@pytest.mark.parametrize("fleet", ["sensor", "pump"])
+def test_an_example_fleets_suite_is_its_models_generated_one(fleet) -> None:
+    model = load_settings(ROOT / "examples" / f"{fleet}.toml", environ={}).telemetry
+    suite = ROOT / model.suite
+    assert suite.parent == ROOT / "examples"
+    assert json.loads(suite.read_text()) == json.loads(json.dumps(default_suite(model), ensure_ascii=False))
+    names = [c.name for c in load_suite(suite).checks]
     assert not any("format" in n for n in names)  # no id pattern of one fleet
+    generated = suite_for(model.model_copy(update={"suite": ""}))  # a model without a suite file
+    assert [c.name for c in generated.checks] == names
+
+
+def test_a_model_without_metrics_fails_fast_naming_the_key(tmp_path: Path, capsys) -> None:
+    """iotlake declares no fleet: without metrics a pipeline does not start, and says how."""
+    cfg = tmp_path / "iotlake.json"
+    cfg.write_text(json.dumps({"data_root": str(tmp_path / "lake")}))
+    for command in (["run", "--simulate", "10"], ["demo", "--events", "10"], ["expectations"]):
+        assert cli_main(["--config", str(cfg), *command]) == 2
+        err = capsys.readouterr().err
+        assert "no metrics declared" in err and "[telemetry]" in err and "examples/sensor.toml" in err
+    assert not (tmp_path / "lake").exists()  # nothing started, nothing written
 
 
 def test_expectations_command(tmp_path: Path, capsys, monkeypatch) -> None:

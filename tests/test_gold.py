@@ -10,9 +10,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from fleets import SENSOR
 
 from lakehouse.settings import Settings, load_settings
-from lakehouse.tables import SILVER
+from lakehouse.tables import silver_schema
+
+SILVER = silver_schema(SENSOR)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -287,9 +290,9 @@ def versions(settings: Settings, tables: tuple[str, ...]) -> dict[str, int]:
 
 def same_through_both(spark, settings: Settings, table: str) -> pa.Table:
     """The table's rows through delta-rs and through delta-spark: identical, returned sorted."""
-    from lakehouse.tables import SCHEMAS
+    from lakehouse.tables import schemas
 
-    schema = SCHEMAS[table]
+    schema = schemas(settings.telemetry)[table]
     dt = DeltaTable(settings.table_path(table))
     for c in dt.metadata().partition_columns:  # the time bucket retention drops partitions by
         schema = schema.append(pa.field(c, pa.string()))
@@ -304,7 +307,8 @@ def health_output(spark, temperature: float):
     """A micro-batch of the health state function's output: one reading, status change, current."""
     import gold.health
 
-    base = {c.split()[0]: None for c in gold.health.OUT_SCHEMA.split(", ")}
+    out = gold.health.out_schema(SENSOR.gold_metrics)
+    base = {c.split()[0]: None for c in out.split(", ")}
     reading = base | dict(kind="reading", device_id="dev-r", event_id="e-r", event_time=T0,
                           temperature=temperature, temperature_score=0.1, temperature_baseline=21.0,
                           temperature_anomaly=False, humidity=40.0, humidity_score=0.97,
@@ -312,7 +316,7 @@ def health_output(spark, temperature: float):
     status = base | dict(kind="status", device_id="dev-r", status="online", reason="data", event_time=T0)
     cur = base | dict(kind="current", device_id="dev-r", status="online", status_since=T0,
                       last_seen=T0, temperature=temperature, humidity=40.0, anomaly_score=0.97)
-    return spark.createDataFrame([reading, status, cur], gold.health.OUT_SCHEMA)
+    return spark.createDataFrame([reading, status, cur], out)
 
 
 def test_replayed_health_batch_writes_nothing_twice(spark, gold_settings) -> None:

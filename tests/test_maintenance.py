@@ -11,13 +11,16 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from fleets import SENSOR
 
 from lakehouse.delta_read import commit_adds, read_table
 from lakehouse.delta_tables import ensure_table
 from lakehouse.settings import Settings, SettingsError, load_settings
-from lakehouse.tables import SILVER
+from lakehouse.tables import silver_schema
 from orchestration.maintenance import compact, restore, table_history, vacuum, version_at
 from orchestration.maintenance_cli import register
+
+SILVER = silver_schema(SENSOR)
 
 APPENDS, ROWS = 60, 50
 T0 = datetime(2024, 5, 1, tzinfo=UTC)

@@ -17,11 +17,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from deltalake import DeltaTable
+from fleets import SENSOR
 
 from ingest.simulator import generate, publish
 from lakehouse.delta_read import row_count
 from lakehouse.settings import Settings
-from lakehouse.tables import METRICS
 from orchestration.pipeline import Running, start_layers
 from orchestration.run import bridge_thread, check_bridge, demo
 
@@ -41,7 +41,7 @@ def expected_windows(messages, window: str = "1min") -> pd.DataFrame:
     df = pd.DataFrame(recs).drop_duplicates("event_id")
     df["event_time"] = pd.to_datetime(df["ts"], utc=True)
     df["window_start"] = df["event_time"].dt.floor(window)
-    long = df.melt(id_vars=["device_id", "window_start", "event_time"], value_vars=list(METRICS),
+    long = df.melt(id_vars=["device_id", "window_start", "event_time"], value_vars=list(SENSOR.metric_names),
                    var_name="metric").dropna(subset=["value"]).sort_values("event_time")
     g = long.groupby(["device_id", "metric", "window_start"])["value"]
     out = g.agg(["count", "mean", "min", "max", "std", "last"]).reset_index()
@@ -217,7 +217,7 @@ def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
     from deltalake import write_deltalake
 
     import gold.windows
-    from lakehouse.tables import SILVER
+    from lakehouse.tables import silver_schema
 
     settings = settings.model_copy(deep=True)
     settings.gold.slide_window_seconds = 300  # off by default
@@ -229,7 +229,7 @@ def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
                  schema_version=1, extra=None, kafka_partition=0, kafka_offset=i, ingest_time=start)
             for i in range(300)]
     for chunk in (recs[:150], recs[150:]):
-        write_deltalake(settings.table_path("silver"), pa.Table.from_pylist(chunk, schema=SILVER), mode="append")
+        write_deltalake(settings.table_path("silver"), pa.Table.from_pylist(chunk, schema=silver_schema(SENSOR)), mode="append")
         q = gold.windows.start(spark, settings, trigger="available_now")
         q.awaitTermination()
     got = rows(settings, "gold_metrics_5m")
@@ -239,7 +239,7 @@ def test_sliding_windows_match_pandas(settings: Settings, spark) -> None:
                             df.event_time.max().floor("1min"), freq="1min"):
         w = df[(df.event_time >= s0) & (df.event_time < s0 + pd.Timedelta(minutes=5))]
         for (dev, ), g in w.groupby(["device_id"]):
-            for m in METRICS:
+            for m in SENSOR.metric_names:
                 v = g.sort_values("event_time")[m]
                 exp.append(dict(device_id=dev, metric=m, window_start=s0, count=len(v), mean=v.mean(),
                                 min=v.min(), max=v.max(), stddev=v.std(), last=v.iloc[-1]))

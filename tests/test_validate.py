@@ -9,14 +9,17 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from fleets import SENSOR
 from pyspark.sql import functions as F
 
 from lakehouse.settings import load_settings
-from lakehouse.tables import SILVER
+from lakehouse.tables import silver_schema
 from orchestration import cli
 from silver.expectations import evaluate_set_level, failed_expectations, load_suite
 from silver.validate import RESULT_FILE, validate_table
 from tests.test_expectations import SENSOR_SUITE
+
+SILVER = silver_schema(SENSOR)
 
 TS = datetime(2026, 11, 21, 22, 30, tzinfo=UTC)
 

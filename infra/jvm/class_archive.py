@@ -33,8 +33,11 @@ from orchestration.services import ServiceError, free_port, kafka_service
 
 def record_spark(dump: Path, tmp: Path) -> str | None:
     """Run the demo with the driver recording into ``dump``; the failure, if any."""
+    root = Path(__file__).resolve().parents[2]
+    sensor = load_settings(root / "examples" / "sensor.toml", environ={}).telemetry
     config = tmp / "iotlake.json"
     config.write_text(json.dumps({
+        "telemetry": {**sensor.model_dump(mode="json"), "suite": str(root / sensor.suite)},
         "data_root": str(tmp / "lake"),
         "kafka": {"embedded_port": free_port(pair=True)},
         "mqtt": {"embedded_port": free_port()},
