@@ -11,13 +11,18 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="$REPO/.venv/bin"
 cd "$REPO"
 
-if [[ -z "${IOTLAKE_CONFIG:-}" && -f "$REPO/iotlake.toml" ]]; then
-  export IOTLAKE_CONFIG="$REPO/iotlake.toml"
+# Your fleet (./iotlake.toml), else the example sensor fleet `make run` simulates
+if [[ -z "${IOTLAKE_CONFIG:-}" ]]; then
+  if [[ -f "$REPO/iotlake.toml" ]]; then export IOTLAKE_CONFIG="$REPO/iotlake.toml"
+  else export IOTLAKE_CONFIG="$REPO/examples/sensor.toml"; fi
 fi
-# Resolve data_root once, here: tasks run with another working directory, so a relative
-# data_root would point elsewhere. IOTLAKE_DATA_ROOT pins it for every task.
+# Resolve data_root and the suite file once, here: tasks run with another working directory, so
+# relative paths would point elsewhere. IOTLAKE_DATA_ROOT (and the suite's variable) pin them.
 DATA_ROOT="$("$BIN/python" -c 'from lakehouse.settings import load_settings; print(load_settings().root)')"
 export IOTLAKE_DATA_ROOT="$DATA_ROOT"
+SUITE="$("$BIN/python" -c 'from pathlib import Path; from lakehouse.settings import load_settings
+s = load_settings().telemetry.suite; print(Path(s).resolve() if s else "")')"
+if [[ -n "$SUITE" ]]; then export IOTLAKE_TELEMETRY__SUITE="$SUITE"; fi
 export PATH="$BIN:$PATH"
 
 PORT="${AIRFLOW_PORT:-18080}"

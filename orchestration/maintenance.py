@@ -31,7 +31,7 @@ from lakehouse.spark import session_confs
 from lakehouse.tables import (
     PARTITION_COLUMN,
     RETENTION_COLUMNS,
-    SCHEMAS,
+    TABLES,
     bucket_start,
     bucket_text,
 )
@@ -71,12 +71,12 @@ def session(settings: Settings) -> SparkSession:
 def resolve_tables(settings: Settings, tables: Iterable[str] | None = None) -> list[str]:
     """Named tables (validated), or every known table that exists under ``settings``."""
     if not tables:
-        return [t for t in SCHEMAS if table_exists(settings.table_path(t))]
+        return [t for t in TABLES if table_exists(settings.table_path(t))]
     names = list(dict.fromkeys(tables))
-    unknown = [t for t in names if t not in SCHEMAS]
+    unknown = [t for t in names if t not in TABLES]
     if unknown:
         raise ValueError(f"unknown table(s) {', '.join(map(repr, unknown))}; "
-                         f"valid tables: {', '.join(SCHEMAS)}")
+                         f"valid tables: {', '.join(TABLES)}")
     return names
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 from deltalake import DeltaTable
+from fleets import SENSOR
 
 from ingest.simulator import generate
 from lakehouse.kafka_config import client_config
@@ -91,7 +92,7 @@ def test_backfill_cli_refuses_while_the_live_stream_runs(tmp_path: Path, spark) 
     from lakehouse.streams import release_checkpoints
     from orchestration.pipeline import delta_caught_up
 
-    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+    lake = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path / "lake"),
                          stream={"trigger_seconds": 0.5, "topology": "layered"})
     write_bronze(lake, generate(lake, 200, devices=4, duplicates=5, start=START))
     live = silver.stream.start(spark, lake)  # trigger "live": runs until stopped

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from fleets import SENSOR
 
 from dashboard.app import Memo, TableCache, create_app
 from lakehouse.settings import Settings, load_settings
@@ -29,7 +30,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings, dict[str, Any]]]:
     """A lakehouse plus the dashboard serving it over HTTP on a free loopback port."""
-    settings = load_settings(environ={}, data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
     facts = build_lakehouse(settings, devices=60, hours=2)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings, token=TOKEN, check_every=0.0),
@@ -119,7 +120,7 @@ def fleet_at_version(base: str, version: int) -> dict[str, Any]:
 
 def test_a_request_gets_the_last_snapshot_while_the_next_is_read(tmp_path: Path) -> None:
     """A new Delta version is read by a background refresh, never inside the request."""
-    settings = load_settings(environ={}, data_root=str(tmp_path / "lake"))
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path / "lake"))
     build_lakehouse(settings, devices=3, hours=1)
     cache = TableCache(settings, check_every=0.0)
     first = cache.get("device_current")

@@ -22,7 +22,7 @@ from silver.expectations import (
 )
 
 #: A hand-written suite with every kind of rule the compiler supports (regex, sets, means, ...)
-#: and the bundled simulator's id formats; the shipped default is generated from the model.
+#: and the simulator's id formats; the example fleets' suites are generated from their models.
 SENSOR_SUITE = Path(__file__).with_name("sensor_suite.json")
 TS = datetime(2026, 11, 21, 22, 30, tzinfo=UTC)
 SCHEMA = ("tag string, event_id string, device_id string, event_time timestamp, "

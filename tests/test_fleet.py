@@ -308,7 +308,7 @@ def test_a_metric_added_to_a_running_deployment(spark, tmp_path: Path) -> None:
     stream resumes from its checkpoint; a metric removed later keeps its column."""
     base = dict(environ={}, data_root=str(tmp_path / "lake"),
                 spark={"master": "local[2]", "shuffle_partitions": 2})
-    before = load_settings(**base)
+    before = load_settings(**base, telemetry=SENSOR.model_dump(mode="json"))
     bronze = before.table_path("bronze")
     write_deltalake(bronze, BRONZE.empty_table())
 

@@ -23,7 +23,7 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 @pytest.fixture
 def gold_settings(tmp_path) -> Settings:
     return load_settings(
-        environ={}, data_root=str(tmp_path / "lake"),
+        environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path / "lake"),
         spark={"master": "local[2]", "shuffle_partitions": 2},
         stream={"watermark_seconds": 30},
         gold={"offline_after_seconds": 120, "max_files_per_trigger": 1},
@@ -212,7 +212,7 @@ def test_sliding_tables_left_from_before_are_named(tmp_path) -> None:
     import gold.windows
     from lakehouse.tables import METRIC_WINDOWS
 
-    s = load_settings(environ={}, data_root=str(tmp_path))
+    s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path))
     assert gold.windows.stale_tables(s) == []
     write_deltalake(s.table_path("gold_metrics_5m"), METRIC_WINDOWS.empty_table())
     assert gold.windows.stale_tables(s) == ["gold_metrics_5m"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from fleets import SENSOR
 from pyspark.sql import functions as F
 
 import silver.stream
@@ -83,7 +84,7 @@ def lake(tmp_path: Path, request) -> Settings:
     return load_settings(environ={}, data_root=str(tmp_path / "lake"),
                          spark={"master": "local[2]", "shuffle_partitions": 2},
                          stream={"watermark_seconds": 600, "dedup": dedup},
-                         telemetry={"suite": str(SENSOR_SUITE)})
+                         telemetry={**SENSOR.model_dump(mode="json"), "suite": str(SENSOR_SUITE)})
 
 
 #: Both dedup implementations must give the same rows, counts and re-reads.

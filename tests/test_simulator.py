@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import paho.mqtt.client as mqtt
 import pytest
+from fleets import SENSOR
 
 from ingest.simulator import format_ts, generate, publish
 
@@ -121,7 +122,7 @@ def test_a_stalled_broker_does_not_keep_a_stopped_simulator_running(settings) ->
     from orchestration.services import free_port, mosquitto_service
 
     port = free_port()
-    s = load_settings(environ={}, data_root=settings.data_root,
+    s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=settings.data_root,
                       mqtt={"host": "127.0.0.1", "port": port, "topic_filter": "stall/devices/+/telemetry"})
     broker = mosquitto_service(s, port).start()
     stop, result = threading.Event(), []
