@@ -19,5 +19,12 @@ def example(name: str) -> TelemetryModel:
     return model.model_copy(update={"suite": str(ROOT / model.suite)}) if model.suite else model
 
 
+def toml_text(name: str) -> str:
+    """``examples/<name>.toml`` for a settings file of one's own: its suite path made absolute."""
+    text = (ROOT / "examples" / f"{name}.toml").read_text()
+    suite = load_settings(ROOT / "examples" / f"{name}.toml", environ={}).telemetry.suite
+    return text.replace(f'"{suite}"', f'"{ROOT / suite}"') if suite else text
+
+
 SENSOR = example("sensor")
 PUMP = example("pump")

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fleets import ROOT, SENSOR  # noqa: E402
+from fleets import SENSOR, toml_text  # noqa: E402
 
 from ingest.simulator import generate  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
@@ -62,9 +62,7 @@ def build(root: Path) -> Path:
     config = root / "iotlake.toml"
     # bronze written here, not from Kafka: silver reads it (the layered topology); [spark] last:
     # the modes append their lines to it
-    fleet = (ROOT / "examples" / "sensor.toml").read_text().replace(
-        '"examples/sensor.json"', f'"{ROOT / "examples" / "sensor.json"}"')  # the fleet simulated
-    config.write_text(f'data_root = "{root}"\n[stream]\ntopology = "layered"\n{fleet}\n'
+    config.write_text(f'data_root = "{root}"\n[stream]\ntopology = "layered"\n{toml_text("sensor")}\n'
                       '[spark]\nmaster = "local[2]"\nshuffle_partitions = 2\n')
     return config
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
+from fleets import SENSOR, toml_text
 from test_maintenance import build_silver, content
 
 from lakehouse.settings import load_settings
@@ -128,11 +129,12 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     from lakehouse.streams import release_checkpoints
     from orchestration.backfill import rows_to_do
     spark_conf = {"master": "local[2]", "shuffle_partitions": 2}
-    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), spark=spark_conf)
+    lake = load_settings(environ={}, data_root=str(tmp_path / "lake"), spark=spark_conf,
+                         telemetry=SENSOR.model_dump(mode="json"))
     config = tmp_path / "iotlake.toml"
     # bronze written here, not from Kafka: silver reads it (the layered topology)
     config.write_text(f'data_root = "{lake.root}"\n[spark]\nmaster = "local[2]"\n'
-                      'shuffle_partitions = 2\n[stream]\ntopology = "layered"\n')
+                      'shuffle_partitions = 2\n[stream]\ntopology = "layered"\n' + toml_text("sensor"))
     env = {**airflow_env, "IOTLAKE_CONFIG": str(config),
            "IOTLAKE_BIN": str(Path(sys.executable).with_name("iotlake"))}
     # Events from 2 s before today's midnight (UTC): yesterday's and today's rows for the
@@ -168,7 +170,8 @@ def test_cli_dags_on_a_real_lakehouse(airflow_env: dict[str, str], tmp_path: Pat
     assert lake.generation() == ""  # a dry run switches nothing
     _dags_test(env, "iotlake_reprocess", {"as_of_version": 0, "dry_run": False})
     assert lake.generation() == "v0"
-    fresh = load_settings(environ={}, data_root=str(tmp_path / "fresh"), spark=spark_conf)
+    fresh = load_settings(environ={}, data_root=str(tmp_path / "fresh"), spark=spark_conf,
+                          telemetry=SENSOR.model_dump(mode="json"))
     try:  # the fresh computation: the layers' own code, on the session's Spark
         for start in (lambda: silver.stream.start(spark, fresh, trigger="available_now",
                                                   bronze_path=lake.table_path("bronze"),

@@ -257,8 +257,8 @@ def _topic_device(payload: bytes, rng: random.Random) -> str:
         dev = json.loads(payload).get("device_id")
     except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
         dev = None
-    if isinstance(dev, str) and dev and not set(dev) & set("/+#\x00"):
-        return dev
+    if isinstance(dev, str) and dev and not set(dev) & set("/+#\x00") and len(dev.encode()) < 60_000:
+        return dev  # (an MQTT topic holds at most 65,535 bytes)
     return f"dev-{rng.randrange(1, 50):05d}"
 
 

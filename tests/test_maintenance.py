@@ -195,7 +195,7 @@ def test_upkeep_expires_compacts_and_the_streams_skip_its_deletes(tmp_path: Path
     import silver.stream
     from orchestration.upkeep import Upkeep
 
-    s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
+    s = load_settings(environ={}, data_root=str(tmp_path / "lake"), telemetry=SENSOR.model_dump(mode="json"),
                       maintenance={"compact_min_files": 3, "retention_days": {"bronze": 1}})
     now = datetime.now(UTC)
     old, recent = now - timedelta(days=3), now - timedelta(hours=1)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from deltalake import DeltaTable
+from fleets import SENSOR
 from procs import stop_now
 
 from lakehouse.delta_read import row_count
@@ -67,7 +68,7 @@ def test_ctrl_c_stops_cleanly_and_a_second_run_resumes_from_the_durable_kafka(tm
     config = tmp_path / "iotlake.json"
     kafka_port = free_port(pair=True)
     config.write_text(json.dumps({
-        "data_root": str(root),
+        "data_root": str(root), "telemetry": SENSOR.model_dump(mode="json"),
         "kafka": {"embedded_port": kafka_port}, "mqtt": {"embedded_port": free_port()},
         "spark": {"master": "local[2]", "shuffle_partitions": 2},
         # the default 30 s for the running batches to finish can be short with another test's

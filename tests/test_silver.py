@@ -311,7 +311,7 @@ def test_validate_counts_match_quarantine_for_the_same_rows(spark, lake, tmp_pat
 
     bronze = read_table(b.path, columns=["value", "topic", "partition", "offset", "ingest_time"])
     suite = load_suite(SENSOR_SUITE)
-    parsed = (silver.stream.validated(spark.createDataFrame(bronze), suite)
+    parsed = (silver.stream.validated(spark.createDataFrame(bronze), suite, SENSOR)
               .where(F.col("reasons") != "not_json").select(*suite.columns).toArrow())
     write_deltalake(lake.table_path("scratch"), parsed)
     summary = validate_table(lake, "scratch", out_dir=tmp_path / "report")

@@ -51,7 +51,7 @@ EXPECTED = {  # the data above, counted by hand
 @pytest.fixture
 def lake(tmp_path: Path):
     s = load_settings(environ={}, data_root=str(tmp_path / "lake"),
-                      telemetry={"suite": str(SENSOR_SUITE)})
+                      telemetry={**SENSOR.model_dump(mode="json"), "suite": str(SENSOR_SUITE)})
     path = s.table_path("silver")
     write_deltalake(path, pa.Table.from_pylist(VALID + INVALID, schema=SILVER))  # version 0
     write_deltalake(path, pa.Table.from_pylist(VALID, schema=SILVER), mode="overwrite")  # v1
@@ -89,11 +89,18 @@ def test_latest_version_and_default_location(lake):
     assert (out / RESULT_FILE).is_file() and (out / "index.html").is_file()
 
 
+def sensor_config(tmp_path: Path) -> str:
+    """A settings file of the example sensor fleet (its own suite: the CLI's default)."""
+    cfg = tmp_path / "sensor.json"
+    cfg.write_text(json.dumps({"telemetry": SENSOR.model_dump(mode="json")}))
+    return str(cfg)
+
+
 def test_cli_exit_codes(lake, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no iotlake.toml; the test-port variables are not settings
     for var in ("IOTLAKE_TEST_KAFKA_PORT", "IOTLAKE_TEST_MQTT_PORT", "IOTLAKE_CONFIG"):
         monkeypatch.delenv(var, raising=False)
-    base = ["--data-root", lake.data_root, "validate"]
+    base = ["--config", sensor_config(tmp_path), "--data-root", lake.data_root, "validate"]
     assert cli.main([*base, "silver", "--version", "0", "--out", str(tmp_path / "r0")]) == 1
     out = capsys.readouterr().out
     assert "FAIL temperature_in_range" in out and "unexpected 2" in out
@@ -120,7 +127,8 @@ def test_one_day_of_rows(lake, tmp_path):
     assert {r["result"].get("element_count") for r in result["results"]} - {None} == {3}
     # version 0, the 20th: no rows; the CLI takes the day too
     assert validate_table(lake, "silver", version=0, day=date(2026, 11, 20))["rows"] == 0
-    base = ["--data-root", lake.data_root, "validate", "silver", "--out", str(tmp_path / "c")]
+    base = ["--config", sensor_config(tmp_path), "--data-root", lake.data_root, "validate", "silver",
+            "--out", str(tmp_path / "c")]
     assert cli.main([*base, "--date", "2026-11-22"]) == 1
     with pytest.raises(SystemExit) as e:
         cli.main([*base, "--date", "yesterday"])
