@@ -248,7 +248,7 @@ def suite_for(model: TelemetryModel, path: str | Path | None = None) -> Suite:
     from silver.default_suite import default_suite
 
     raw = default_suite(model)
-    return _checked("the suite generated from [telemetry]", raw, json.dumps(raw, sort_keys=True).encode())
+    return _checked("generated from [telemetry]", raw, json.dumps(raw, sort_keys=True).encode())
 
 
 def load_suite(path: str | Path) -> Suite:

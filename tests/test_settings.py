@@ -308,8 +308,10 @@ def test_spark_logs_to_stderr_from_warn_up(spark) -> None:
     assert targets == ["SYSTEM_ERR"]
 
 
-@pytest.mark.parametrize("path", ["iotlake.toml.example", "examples/pump.toml", "infra/spark/iotlake.toml"])
+@pytest.mark.parametrize("path", ["iotlake.toml.example", "examples/sensor.toml", "examples/pump.toml",
+                                  "infra/spark/iotlake.toml"])
 def test_every_shipped_configuration_loads(path: str) -> None:
-    """A setting renamed in code must be renamed in the files users copy."""
+    """A setting renamed in code must be renamed in the files users copy; each describes a fleet."""
     s = load_settings(Path(__file__).resolve().parents[1] / path, environ={})
+    assert s.telemetry.require_metrics()
     assert s.fused == (path != "infra/spark/iotlake.toml")  # its roles split bronze and silver
