@@ -27,4 +27,3 @@ def toml_text(name: str) -> str:
 
 
 SENSOR = example("sensor")
-PUMP = example("pump")

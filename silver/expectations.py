@@ -2,12 +2,12 @@
 
 The suite is a Great Expectations 1.x file (``telemetry.suite``; without one, the suite generated
 from the telemetry model) so that the same rules drive both the stream and the GX reports of
-``iotlake validate``. GX itself is too slow per
-micro-batch, so row-level expectations are compiled into ONE Spark expression (no UDF) whose
-value names the failed expectations (the quarantine reason): an array (``failed_expectations``)
-or, cheaper per row, a comma-joined string (``failure_names``, the stream's). The stream holds
-each micro-batch on the driver as Arrow, so it counts every expectation with ``arrow_quality``
-(no second Spark job); ``quality_summary`` does the same in one Spark aggregation for a DataFrame.
+``iotlake validate``. GX itself is too slow per micro-batch, so row-level expectations are
+compiled into ONE Spark expression (no UDF) whose value names the failed expectations (the
+quarantine reason): an array (``failed_expectations``) or, cheaper per row, a comma-joined string
+(``failure_names``, the stream's). The stream holds each micro-batch on the driver as Arrow, so
+it counts every expectation with ``arrow_quality`` (no second Spark job); ``quality_summary``
+does the same in one Spark aggregation for a DataFrame.
 
 Semantics follow GX on Spark: only ``not_null`` fails on null; NaN is a value (it fails a range
 check; GX on pandas, used by ``iotlake validate``, sees NaN as null). ``mostly`` is ignored per

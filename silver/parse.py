@@ -48,7 +48,6 @@ def parse_checks(model: TelemetryModel) -> tuple[tuple[str, str], ...]:
     return tuple(checks)
 
 
-
 def _nonempty(c: Column) -> Column:
     return c.isNotNull() & (F.length(F.trim(c)) > 0)
 
