@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(tempfile.mkdtemp(prefix="iotlake-bench-"))
     try:
-        base = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "base"),
+        base = load_settings(environ={}, data_root=str(root / "base"),
                              spark={"master": "local[2]", "shuffle_partitions": 2})
         spark = session(base)
         path = base.table_path("silver")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                      "rows": args.commits * args.rows, "target_size": args.target_size,
                      "before": {k: round(v[0], 4) for k, v in before.items()}}
         for layout in ("compact", "zorder", "liquid"):
-            s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / layout))
+            s = load_settings(environ={}, data_root=str(root / layout))
             p = s.table_path("silver")
             shutil.copytree(path, p)
             t = time.perf_counter()

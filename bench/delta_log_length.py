@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from deltalake import DeltaTable
-from fleets import SENSOR
 
 from lakehouse.delta_tables import append
 from lakehouse.settings import load_settings
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         counts, args.appends = [0, 2000], 3
     root = Path(tempfile.mkdtemp(prefix="iotlake-loglen-"))
-    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "data"),
+    settings = load_settings(environ={}, data_root=str(root / "data"),
                              spark={"master": "local[2]", "shuffle_partitions": 2})
     spark = spark_session(settings, app_name="bench-delta-log-length")
     try:

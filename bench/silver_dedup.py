@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         expected = build_bronze(bronze, args.rows, args.rows // args.batch_rows, step_ms=args.step_ms)
         warm = str(root / "warm_bronze")
         build_bronze(warm, 4 * args.batch_rows, 4, seed=1, step_ms=args.step_ms)
-        spark = spark_session(load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(root / "spark")),
+        spark = spark_session(load_settings(environ={}, data_root=str(root / "spark")),
                               app_name="iotlake-dedup-bench")
         for mode in () if args.smoke else ("state_store", "index"):  # a smoke run measures nothing
             run(spark, root / "warm", mode, warm, args.batch_rows, 1)

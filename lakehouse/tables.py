@@ -122,7 +122,7 @@ TABLES: tuple[str, ...] = (
 def schemas(model: TelemetryModel) -> dict[str, pa.Schema]:
     """Every table's schema, silver's and device_current's for ``model``."""
     own = {"silver": silver_schema(model), "device_current": device_current_schema(model)}
-    return {n: own.get(n) or _FIXED[n] for n in TABLES}
+    return {n: own[n] if n in own else _FIXED[n] for n in TABLES}
 
 
 #: The time column retention expires each table's rows by (``maintenance.retention_days``):

@@ -280,7 +280,6 @@ def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
     """Each demo gets a fresh data root of its own under ``<data_root>/demo/`` (tables,
     checkpoints and the embedded brokers' logs), so its accounting is its run's alone, never the
     totals of a lake ``iotlake run`` filled."""
-    settings.telemetry.require_metrics()
     settings = settings.model_copy(deep=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     if settings.remote:

@@ -34,6 +34,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from lakehouse.telemetry import TelemetryModel
+from silver.default_suite import default_suite
 
 #: Name of the column ``failed_expectations`` is usually stored in.
 FAILURES_COL = "failed_expectations"
@@ -245,8 +246,6 @@ def suite_for(model: TelemetryModel, path: str | Path | None = None) -> Suite:
     names, else the one ``iotlake expectations`` would write for the model."""
     if path or model.suite:
         return load_suite(path or model.suite)
-    from silver.default_suite import default_suite
-
     raw = default_suite(model)
     return _checked("generated from [telemetry]", raw, json.dumps(raw, sort_keys=True).encode())
 
