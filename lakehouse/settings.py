@@ -387,6 +387,13 @@ class GoldSettings(_Section):
     # of 3) or "state_store" (Spark's RocksDB state store, by device bucket: for fleets whose
     # state or batches a driver should not hold). A checkpoint keeps the mode it started with.
     health_state: Literal["driver", "state_store"] = "driver"
+    # Debounced status (Prometheus' ``for:``, Nagios' soft and hard states): a device's status
+    # changes between online and degraded only once the new status has held for this many
+    # consecutive readings and this long (event time) since the first of them, so a status
+    # changes at most once per hold period. Offline (no data, a death certificate) and coming
+    # back from it take effect at once.
+    status_hold_seconds: float = Field(60.0, ge=0)
+    status_hold_readings: int = Field(3, ge=1)
 
     @model_validator(mode="after")
     def _sliding(self) -> GoldSettings:
@@ -394,6 +401,101 @@ class GoldSettings(_Section):
             raise ValueError(f"gold.slide_window_seconds ({self.slide_window_seconds}) must be 0 (no "
                              f"sliding windows) or at least 60 and slide_every_seconds "
                              f"({self.slide_every_seconds})")
+        return self
+
+
+ALERT_KINDS = ("device_offline", "device_degraded", "anomaly", "threshold", "site_silent",
+               "pipeline_stale", "pipeline_lag", "pipeline_disk", "bridge_stalled")
+
+
+class AlertRuleSettings(_Section):
+    """One ``[[alerts.rules]]`` entry: what fires, for how long it must hold, and its labels.
+
+    - ``device_offline``: a device's status is offline (no reading for
+      ``gold.offline_after_seconds`` by wall clock, or a death certificate);
+    - ``device_degraded``: its status is degraded, for ``reason`` (empty: any reason);
+    - ``anomaly``: ``metric``'s anomaly score (empty: any gold metric's) at or above ``above``;
+    - ``threshold``: ``metric`` above ``above`` and/or below ``below``;
+    - ``site_silent``: no device of a site (the topic column ``alerts.site_column``) heard for
+      ``silent_seconds`` (0: ``gold.offline_after_seconds``);
+    - ``pipeline_stale``: a streaming query inactive or without progress for ``stale_seconds``;
+    - ``pipeline_lag``: the Kafka consumer lag of a query above ``max_lag`` records;
+    - ``pipeline_disk``: free disk under the data root below ``maintenance.min_free_disk_gb``;
+    - ``bridge_stalled``: the MQTT -> Kafka bridge delivered nothing for ``stale_seconds`` while
+      messages waited.
+
+    Each fires once the condition has held ``for_seconds`` (0: at once) and resolves when it
+    no longer holds.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_:.-]{0,127}$")
+    kind: Literal[ALERT_KINDS]  # type: ignore[valid-type]
+    severity: Literal["critical", "warning", "info"] = "warning"
+    labels: dict[str, str] = Field(default_factory=dict)
+    summary: str = ""  # annotation; empty: a sentence made from the rule
+    metric: str = ""
+    above: float | None = None
+    below: float | None = None
+    reason: str = ""
+    for_seconds: float = Field(0.0, ge=0)
+    silent_seconds: float = Field(0.0, ge=0)
+    stale_seconds: float = Field(60.0, gt=0)
+    max_lag: int = Field(100_000, ge=0)
+
+    @model_validator(mode="after")
+    def _complete(self) -> AlertRuleSettings:
+        if self.kind == "threshold":
+            if not self.metric:
+                raise ValueError(f"alert rule {self.name!r} (threshold) needs a metric")
+            if self.above is None and self.below is None:
+                raise ValueError(f"alert rule {self.name!r} (threshold) needs above and/or below")
+        if self.kind == "anomaly" and self.above is None:
+            raise ValueError(f"alert rule {self.name!r} (anomaly) needs above (a score, e.g. 0.9)")
+        return self
+
+
+def _default_rules() -> list[AlertRuleSettings]:
+    return [
+        AlertRuleSettings(name="DeviceOffline", kind="device_offline", severity="warning"),
+        AlertRuleSettings(name="SiteSilent", kind="site_silent", severity="critical"),
+        AlertRuleSettings(name="PipelineStale", kind="pipeline_stale", severity="critical"),
+    ]
+
+
+class AlertsSettings(_Section):
+    """Alert rules, their lifecycle and where notifications go (gold/alerts/).
+
+    Delivery is at least once with an idempotency key, from an outbox in the checkpoint root
+    that survives restarts; a receiver that fails ``max_attempts`` times in a row keeps the
+    notification as failed (counted), never drops it silently.
+    """
+
+    enabled: bool = True
+    rules: list[AlertRuleSettings] = Field(default_factory=_default_rules)
+    alertmanager_url: str = ""  # e.g. http://127.0.0.1:9093 (iotlake posts /api/v2/alerts)
+    webhook_url: str = ""  # one POST per alert state change, Alertmanager's webhook format
+    webhook_secret: str = Field("", repr=False)  # HMAC-SHA256 of the body (header X-Iotlake-Signature)
+    mqtt_topic: str = ""  # the same JSON, QoS 1, on the pipeline's MQTT broker
+    site_column: str = "site"  # the topic column naming a device's site (site_silent rules)
+    evaluate_seconds: float = Field(1.0, gt=0)
+    renotify_seconds: float = Field(3600.0, ge=0)  # a firing alert again (0: never)
+    # Alertmanager resolves an alert it has not heard of for its resolve_timeout (5 m by
+    # default): firing alerts are posted to it again this often
+    alertmanager_resend_seconds: float = Field(60.0, gt=0)
+    max_attempts: int = Field(20, ge=1)
+    retry_seconds: float = Field(1.0, gt=0)  # first retry; doubles up to retry_max_seconds
+    retry_max_seconds: float = Field(60.0, gt=0)
+    timeout_seconds: float = Field(5.0, gt=0)
+    # readings older than this (event time, against the wall clock) never fire an alert: a
+    # catch-up after an outage, a backfill or a replay is the past
+    max_age_seconds: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> AlertsSettings:
+        names = [r.name for r in self.rules]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"alerts.rules: names must be unique (repeated: {', '.join(dup)})")
         return self
 
 
@@ -444,6 +546,7 @@ class Settings(_Section):
     telemetry: TelemetryModel = Field(default_factory=TelemetryModel)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
+    alerts: AlertsSettings = Field(default_factory=AlertsSettings)
     _pinned: str | None = PrivateAttr(default=None)
 
     @field_validator("data_root")
@@ -476,6 +579,24 @@ class Settings(_Section):
         if self.telemetry.sparkplug and self.stream.dedup != "index":
             raise ValueError('telemetry.sparkplug needs stream.dedup = "index" (Sparkplug with '
                              'Spark\'s state-store dedup is not supported yet)')
+        return self
+
+    @model_validator(mode="after")
+    def _alert_rules_know_the_model(self) -> Settings:
+        """A rule naming a metric the telemetry model does not declare fails at start."""
+        model = self.telemetry
+        for i, r in enumerate(self.alerts.rules):
+            key = f"alerts.rules[{i}]"
+            known = model.metric_names if r.kind == "threshold" else model.gold_metrics
+            if r.metric and r.kind in ("threshold", "anomaly") and model.metrics and r.metric not in known:
+                raise ValueError(f"{key}.metric: unknown metric {r.metric!r} in rule {r.name!r} "
+                                 f"(the telemetry model declares: {', '.join(known) or 'none'})")
+            # the shipped site rule waits for a model with sites; a rule of the user's needs one
+            if (r.kind == "site_silent" and "rules" in self.alerts.model_fields_set
+                    and self.alerts.site_column not in model.topic_columns):
+                raise ValueError(f"{key}: rule {r.name!r} (site_silent) needs the topic column "
+                                 f"alerts.site_column = {self.alerts.site_column!r} in "
+                                 f"telemetry.topic_pattern (e.g. \"plant/{{site}}/{{device_id}}/telemetry\")")
         return self
 
     @model_validator(mode="after")
@@ -636,7 +757,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def _secret_from_file(data: dict[str, Any]) -> None:
     """``<key>_file`` lets secrets live in a file (e.g. a mounted secret): ``mqtt.password_file``,
     ``storage.access_key_id_file``, ``storage.secret_access_key_file``, ``storage.session_token_file``."""
-    for section, keys in (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS)):
+    for section, keys in (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS),
+                          ("alerts", ("webhook_secret",))):
         node = data.get(section, {})
         if not isinstance(node, dict):
             continue
