@@ -4,7 +4,9 @@
                                               [--max-rows N] [--commits N] [--sensitivity]
 
 ``DIR`` (default ``../shared/data/nab`` from the repo root) holds ``combined_windows.json``
-(file -> labelled anomaly windows) and the CSVs it names (``timestamp,value``). Each series is
+(file -> labelled anomaly windows) and the CSVs it names (``timestamp,value``). ``--smoke``
+without ``--data`` runs on a small synthetic corpus in that format, made at each run
+(:func:`write_synthetic_corpus`), so a clone without NAB's data runs it. Each series is
 replayed as one device's metric; a detection is a flagged reading, scored with NAB's rules and
 "standard" profile (``bench/nab_scoring.py``). Our detector runs with its default
 ``DetectorConfig``; the windowed Gaussian gets the best of a threshold sweep on the same corpus
@@ -93,6 +95,39 @@ def load_corpus(data: Path) -> list[Series]:
         w = [(np.int64(pd.Timestamp(a).value), np.int64(pd.Timestamp(b).value)) for a, b in wins]
         out.append(Series(rel, df, w))
     return out
+
+
+def write_synthetic_corpus(folder: Path, n: int = 3000, seed: int = 0) -> Path:
+    """A small NAB-style corpus in ``folder``: noisy daily cycles every 5 minutes with injected
+    spikes and a level shift, labelled as NAB labels (10% of a series' length shared among its
+    windows, each centred on its anomaly), and a series without anomalies. Deterministic; it
+    checks the bench's code path, not the detector's quality."""
+    rng = np.random.default_rng(seed)
+    t = pd.date_range("2014-01-01", periods=n, freq="5min")
+    cycle = 10.0 * np.sin(2 * np.pi * np.arange(n) / 288)  # 288 readings a day
+    injected = {  # series -> ([(index, size), ...], spike or level shift from index on)
+        "synthetic_spikes/spikes.csv": ([(i, 30.0) for i in (1500, 2100, 2700)], "spike"),
+        "synthetic_spikes/dips.csv": ([(i, -30.0) for i in (1700, 2500)], "spike"),
+        "synthetic_shift/level_shift.csv": ([(1900, 20.0)], "shift"),
+        "synthetic_noAnomaly/noise.csv": ([], "spike"),
+    }
+    windows = {}
+    for rel, (events, kind) in injected.items():
+        v = 50.0 + cycle + rng.normal(0.0, 1.0, n)
+        for i, size in events:
+            if kind == "shift":
+                v[i:] += size
+            else:
+                v[i] += size
+        half = int(0.1 * n / max(len(events), 1)) // 2
+        fmt = "%Y-%m-%d %H:%M:%S.%f"
+        windows[rel] = [[t[max(i - half, 0)].strftime(fmt), t[min(i + half, n - 1)].strftime(fmt)]
+                        for i, _ in events]
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame({"timestamp": t.strftime("%Y-%m-%d %H:%M:%S"), "value": v.round(3)}).to_csv(
+            folder / rel, index=False)
+    (folder / "combined_windows.json").write_text(json.dumps(windows, indent=1))
+    return folder
 
 
 def _epoch_seconds(df: pd.DataFrame) -> np.ndarray:
@@ -421,8 +456,9 @@ def sensitivity(corpus: list[Series], base: DetectorConfig, batch: int) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
-                    help="folder with combined_windows.json and the CSVs (default: %(default)s)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help=f"folder with combined_windows.json and the CSVs (default: {DEFAULT_DATA}; "
+                         "with --smoke, a synthetic corpus made for the run)")
     ap.add_argument("--via", choices=sorted(VIA), default="spark",
                     help="how our detector's detection step runs (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=0,
@@ -440,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                          "other categories)")
     ap.add_argument("--smoke", action="store_true",
                     help="a small run that checks the bench still works: the direct path, "
-                         "no Spark (the Spark path is tests/test_anomaly.py's)")
+                         "no Spark (the Spark path is tests/test_anomaly.py's), on a synthetic "
+                         "corpus unless --data names one")
     args = ap.parse_args(argv)
     if args.smoke:
         args.via = "direct"
@@ -449,7 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_rows < 1 or args.commits < 1:
         ap.error("--max-rows and --commits must be >= 1")
     try:
-        corpus = load_corpus(args.data)
+        if args.data is None and args.smoke:
+            with tempfile.TemporaryDirectory(prefix="iotlake-nab-smoke-") as tmp:
+                corpus = load_corpus(write_synthetic_corpus(Path(tmp)))
+            args.data = "synthetic (write_synthetic_corpus)"
+        else:
+            args.data = args.data or DEFAULT_DATA
+            corpus = load_corpus(args.data)
     except CorpusError as exc:
         ap.error(str(exc))
     cfg = DetectorConfig()
