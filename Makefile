@@ -94,11 +94,13 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and kcat (the bridge bench's baseline; make bench needs them too)
+test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and kcat (the bridge bench's baseline; make bench needs them too), Alertmanager and promtool (alert delivery, infra/prometheus rules)
 	@missing=""; \
 	command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || missing="$$missing chromium fonts-liberation"; \
 	command -v mosquitto_sub >/dev/null 2>&1 || missing="$$missing mosquitto-clients"; \
 	command -v kcat >/dev/null 2>&1 || missing="$$missing kcat"; \
+	test -x /usr/bin/prometheus-alertmanager || missing="$$missing prometheus-alertmanager"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
