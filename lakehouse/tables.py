@@ -97,6 +97,21 @@ PIPELINE_METRICS = pa.schema([
     ("watermark", pa.string()), ("lag", pa.int64()), ("progress_json", pa.string()),
 ])
 
+# Alerts (gold/alerts): every transition of every alert, append-only, and the open ones.
+# ``alert_id`` numbers an incident (one per rule and device, site or query while it lasts);
+# ``fingerprint`` names the rule and subject, as Alertmanager's does its label set.
+_ALERT_COLUMNS = [
+    ("alert_id", pa.int64()), ("fingerprint", pa.string()), ("rule", pa.string()),
+    ("kind", pa.string()), ("severity", pa.string()), ("subject", pa.string()),
+    ("device_id", pa.string()), ("site", pa.string()), ("status", pa.string()),
+    ("starts_at", TS), ("ends_at", TS), ("value", pa.float64()), ("summary", pa.string()),
+    ("labels", pa.string()),  # JSON: every label the notifications carry
+]
+ALERTS = pa.schema([*_ALERT_COLUMNS[:9], ("transition", pa.string()), ("changed_at", TS),
+                    *_ALERT_COLUMNS[9:]])
+ALERTS_CURRENT = pa.schema([*_ALERT_COLUMNS, ("acknowledged", pa.bool_()),
+                            ("silenced", pa.bool_()), ("updated_at", TS)])
+
 #: Every table's schema but those that follow the telemetry model (``schemas``).
 _FIXED: dict[str, pa.Schema] = {
     "bronze": BRONZE,
@@ -110,13 +125,15 @@ _FIXED: dict[str, pa.Schema] = {
     "anomalies": ANOMALIES,
     "quality_log": QUALITY_LOG,
     "pipeline_metrics": PIPELINE_METRICS,
+    "alerts": ALERTS,
+    "alerts_current": ALERTS_CURRENT,
 }
 
 #: Every table's name, in the order a record passes them.
 TABLES: tuple[str, ...] = (
     "bronze", "silver", "quarantine", "gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final",
     "gold_metrics_5m_final", "device_current", "device_status_history", "readings_scored",
-    "anomalies", "quality_log", "pipeline_metrics")
+    "anomalies", "quality_log", "pipeline_metrics", "alerts", "alerts_current")
 
 
 def schemas(model: TelemetryModel) -> dict[str, pa.Schema]:
@@ -156,6 +173,8 @@ STATS_COLUMNS: dict[str, tuple[str, ...]] = {
     "anomalies": ("device_id", "event_time", "metric"),
     "quality_log": ("query_id", "batch_id", "logged_at"),
     "pipeline_metrics": ("query_name", "batch_id", "timestamp"),
+    "alerts": ("alert_id", "device_id", "changed_at"),
+    "alerts_current": ("alert_id", "device_id"),
 }
 
 #: The table property naming them.

@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "dashboard.cli",
     "ingest.cli",
     "orchestration.cluster",
+    "orchestration.alerts_cli",
 ]
 
 

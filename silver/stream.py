@@ -33,7 +33,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse import delta_tables
+from lakehouse import delta_tables, observers
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
@@ -257,6 +257,7 @@ class SilverBatchWriter:
         reasons = out.column("reasons")
         bad = pc.not_equal(reasons, "")
         silver = out.select(self.schema.names).filter(pc.invert(bad)).cast(self.schema)
+        observers.publish("silver", silver)  # e.g. the alert engine's threshold rules
         quarantine = self._quarantine(
             out.select([n for n in (*QUARANTINE.names, "reasons") if n in out.column_names]).filter(bad), now)
         if late.num_rows:
@@ -302,6 +303,8 @@ class SilverBatchWriter:
             bad = F.col("reasons") != ""
             silver = df.where(~bad).select([F.col(f.name).cast(f.dataType)
                                             for f in spark_schema(self.schema).fields])
+            if observers.wanted("silver"):
+                observers.publish("silver", silver.toArrow())
             source = {"reason": F.col("reasons"), "quarantined_at": F.lit(now)}
             quarantine = df.where(bad).select([source.get(f.name, F.col(f.name)).cast(f.dataType).alias(f.name)
                                                for f in spark_schema(QUARANTINE).fields])
