@@ -3,6 +3,8 @@ need a fleet: iotlake itself declares none."""
 
 from __future__ import annotations
 
+import re
+import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -15,15 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @cache
 def example(name: str) -> TelemetryModel:
     """``examples/<name>.toml``'s model, its suite file named by absolute path (any cwd)."""
-    model = load_settings(ROOT / "examples" / f"{name}.toml", environ={}).telemetry
-    return model.model_copy(update={"suite": str(ROOT / model.suite)}) if model.suite else model
+    return load_settings(ROOT / "examples" / f"{name}.toml", environ={}).telemetry
 
 
 def toml_text(name: str) -> str:
-    """``examples/<name>.toml`` for a settings file of one's own: its suite path made absolute."""
-    text = (ROOT / "examples" / f"{name}.toml").read_text()
-    suite = load_settings(ROOT / "examples" / f"{name}.toml", environ={}).telemetry.suite
-    return text.replace(f'"{suite}"', f'"{ROOT / suite}"') if suite else text
+    """``examples/<name>.toml`` for a settings file of one's own, anywhere: its suite path made
+    absolute (relative, it is the example's folder's) and its ``data_root`` left out (the caller
+    names its own)."""
+    path = ROOT / "examples" / f"{name}.toml"
+    text = re.sub(r"(?m)^data_root\s*=.*\n", "", path.read_text())
+    suite = tomllib.loads(text).get("telemetry", {}).get("suite")
+    return text.replace(f'"{suite}"', f'"{load_settings(path, environ={}).telemetry.suite}"') if suite else text
 
 
 SENSOR = example("sensor")

@@ -694,7 +694,10 @@ class Settings(_Section):
         """Write these settings as JSON (readable by ``load_settings``) for child processes."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.model_dump_json(indent=1))
+        # relative paths are this working directory's; in a file they would be the file's folder's
+        data = self.model_dump(mode="json")
+        _absolute_paths(data, Path.cwd())
+        p.write_text(json.dumps(data, indent=1, ensure_ascii=False))
         p.chmod(0o600)  # may hold credentials
         return p
 
@@ -754,11 +757,32 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
+#: secrets that may be read from a file instead, ``<key>_file``
+_SECRET_FILES = (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS), ("alerts", ("webhook_secret",)))
+
+#: Settings that name a file or folder.
+_PATH_SETTINGS = (("data_root",), ("storage", "checkpoint_root"), ("telemetry", "suite"),
+                  ("mqtt", "tls_ca"), ("mqtt", "tls_cert"), ("mqtt", "tls_key"),
+                  *((section, f"{key}_file") for section, keys in _SECRET_FILES for key in keys))
+
+
+def _absolute_paths(data: dict[str, Any], folder: Path) -> None:
+    """Relative paths among ``data``'s path settings made absolute against ``folder``: a settings
+    file's against its own directory, so it means the same from any working directory (the
+    example fleets name their suite beside them). Absolute paths, ``~`` and URIs stay."""
+    for *sections, key in _PATH_SETTINGS:
+        node: Any = data
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        v = node.get(key) if isinstance(node, dict) else None
+        if isinstance(v, str) and v and not is_uri(v) and not Path(v).expanduser().is_absolute():
+            node[key] = os.path.normpath(folder / v)
+
+
 def _secret_from_file(data: dict[str, Any]) -> None:
     """``<key>_file`` lets secrets live in a file (e.g. a mounted secret): ``mqtt.password_file``,
     ``storage.access_key_id_file``, ``storage.secret_access_key_file``, ``storage.session_token_file``."""
-    for section, keys in (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS),
-                          ("alerts", ("webhook_secret",))):
+    for section, keys in _SECRET_FILES:
         node = data.get(section, {})
         if not isinstance(node, dict):
             continue
@@ -776,7 +800,10 @@ def load_settings(
     environ: dict[str, str] | None = None,
     **overrides: Any,
 ) -> Settings:
-    """Build settings from file, then env, then keyword overrides (nested dicts allowed)."""
+    """Build settings from file, then env, then keyword overrides (nested dicts allowed).
+
+    Relative paths in the file (``data_root``, ``telemetry.suite``, ...) are the file's
+    directory's; in env or keyword overrides, the working directory's."""
     environ = dict(os.environ if environ is None else environ)
     file = Path(path or environ.get("IOTLAKE_CONFIG") or DEFAULT_FILE)
     data: dict[str, Any] = {}
@@ -788,6 +815,7 @@ def load_settings(
             raise SettingsError(f"{file}: invalid {file.suffix.lstrip('.').upper() or 'TOML'}: {e}") from e
     elif path is not None or "IOTLAKE_CONFIG" in environ:
         raise SettingsError(f"settings file {file} does not exist (set IOTLAKE_CONFIG or create it)")
+    _absolute_paths(data, file.parent.absolute())  # env and keyword paths: the working directory's
     _merge(data, _env_overrides(environ))
     _merge(data, overrides)
     _secret_from_file(data)

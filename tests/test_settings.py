@@ -312,6 +312,76 @@ def test_spark_logs_to_stderr_from_warn_up(spark) -> None:
                                   "infra/spark/iotlake.toml"])
 def test_every_shipped_configuration_loads(path: str) -> None:
     """A setting renamed in code must be renamed in the files users copy; each describes a fleet."""
-    s = load_settings(Path(__file__).resolve().parents[1] / path, environ={})
+    repo = Path(__file__).resolve().parents[1]
+    s = load_settings(repo / path, environ={})
     assert s.telemetry.require_metrics()
     assert s.fused == (path != "infra/spark/iotlake.toml")  # its roles split bronze and silver
+    assert not s.telemetry.suite or Path(s.telemetry.suite).is_file()  # relative: beside the file
+    if not s.remote:  # a local lake in the repository (data/, data-*/: git-ignored)
+        assert s.root.parent == repo and s.root.name.startswith("data"), s.root
+
+
+def test_relative_paths_are_the_settings_files(tmp_path: Path, monkeypatch) -> None:
+    """A settings file's relative paths are its folder's, from any working directory; those of
+    the environment and keyword overrides are the working directory's (left as given)."""
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(repo / "examples" / "sensor.toml", environ={})
+    assert s.telemetry.suite == str(repo / "examples" / "sensor.json")
+    assert s.data_root == str(repo / "data") and s.root == repo / "data"  # "../data" beside it
+    env = load_settings(repo / "examples" / "sensor.toml",
+                        environ={"IOTLAKE_DATA_ROOT": "lake", "IOTLAKE_TELEMETRY__SUITE": "s.json"})
+    assert (env.data_root, env.telemetry.suite, env.root) == ("lake", "s.json", tmp_path / "lake")
+    kw = load_settings(repo / "examples" / "pump.toml", environ={}, data_root="kw",
+                       storage={"checkpoint_root": "ck"})
+    assert (kw.data_root, kw.storage.checkpoint_root) == ("kw", "ck")
+
+    conf = tmp_path / "conf"
+    (conf / "secrets").mkdir(parents=True)
+    (conf / "secrets" / "mqtt").write_text("hunter2\n")
+    (conf / "iotlake.toml").write_text(
+        'data_root = "lake"\n[storage]\ncheckpoint_root = "../ck"\n'
+        '[mqtt]\ntls_ca = "certs/ca.pem"\ntls_cert = "/etc/ssl/c.pem"\ntls_key = "~/k.pem"\n'
+        'password_file = "secrets/mqtt"\n')
+    f = load_settings(conf / "iotlake.toml", environ={})
+    assert f.data_root == str(conf / "lake") and f.storage.checkpoint_root == str(tmp_path / "ck")
+    assert (f.mqtt.tls_ca, f.mqtt.tls_cert, f.mqtt.tls_key) == (str(conf / "certs" / "ca.pem"),
+                                                                "/etc/ssl/c.pem", "~/k.pem")
+    assert f.mqtt.password == "hunter2"  # read from beside the file, not from the working directory
+    (conf / "iotlake.toml").write_text('data_root = "s3://lake/iot"\n[storage]\ncheckpoint_root = "ck"\n')
+    assert load_settings(conf / "iotlake.toml", environ={}).data_root == "s3://lake/iot"
+
+    # a saved copy (for child processes) means the same places, wherever it lies
+    saved = kw.save(tmp_path / "run" / "settings.json")
+    again = load_settings(saved, environ={})
+    assert again.root == tmp_path / "kw" and again.storage.checkpoint_root == str(tmp_path / "ck")
+    assert again.telemetry == kw.telemetry
+
+
+def test_a_command_reads_an_example_suite_from_another_directory(tmp_path: Path) -> None:
+    """``iotlake --config /abs/examples/sensor.toml validate silver`` from elsewhere finds the
+    suite beside the file (``sensor.json``), its lake where the environment says (cwd-relative)."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    from deltalake import write_deltalake
+    from fleets import SENSOR
+
+    from lakehouse.tables import silver_schema
+
+    repo = Path(__file__).resolve().parents[1]
+    ts = pa.scalar(1_764_000_000_000_000, pa.timestamp("us", tz="UTC")).as_py()
+    rows = [{"event_id": f"{i:032x}", "device_id": f"dev-{i:05d}", "event_time": ts, "temperature": 20.0,
+             "humidity": 40.0, "battery": 90.0, "status": "ok", "schema_version": 1, "extra": None,
+             "kafka_partition": 0, "kafka_offset": i, "ingest_time": ts} for i in range(1, 6)]
+    write_deltalake(str(tmp_path / "lake" / "tables" / "silver"),
+                    pa.Table.from_pylist(rows, schema=silver_schema(SENSOR)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+    proc = subprocess.run([str(Path(sys.executable).with_name("iotlake")), "--config",
+                           str(repo / "examples" / "sensor.toml"), "validate", "silver"],
+                          cwd=tmp_path, env={**env, "IOTLAKE_DATA_ROOT": "lake"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    assert "silver" in proc.stdout and len(list((tmp_path / "lake" / "quality").rglob("validation_result.json"))) == 1
