@@ -4,7 +4,10 @@ Runs ``iotlake run`` (embedded Mosquitto + Apache Kafka, bridge, all streams) an
 --rate RATE`` as child processes for ``--seconds``; meanwhile this script publishes sampled probe readings (device
 ``dev-99999``, event time = publish time) and watches the Delta logs: a probe is "in silver"
 when a committed silver version contains its event_id, and "in device_current" when the
-table's row for the probe device has ``last_seen`` >= the probe's time. Last line: one JSON
+table's row for the probe device has ``last_seen`` >= the probe's time. Probes start after
+``--warmup`` and gold health's first committed batch (a short run would otherwise end before
+gold's cold first batch and measure nothing), and the run waits for the last ones to reach
+both tables (at most 60 s). Last line: one JSON
 object with ``silver_p50_s``, ``silver_p99_s``, ``current_p99_s``, ``events`` and the trigger
 settings used. ``--rates 0,200,1000,5000`` runs once per rate (a fresh data root each) and ends with
 ``cores_idle``, ``cores_<rate>``, ``silver_p50_s_<rate>``, ``silver_p99_s_<rate>``,
@@ -48,8 +51,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rate", type=float, default=5000)
     ap.add_argument("--devices", type=int, default=500)
-    ap.add_argument("--seconds", type=float, default=150)
-    ap.add_argument("--warmup", type=float, default=30, help="seconds before sampling starts")
+    ap.add_argument("--seconds", type=float, default=150,
+                    help="seconds of each run, the warm-up included (probes: the rest)")
+    ap.add_argument("--warmup", type=float, default=30,
+                    help="seconds before sampling starts (and at least until gold health's "
+                         "first batch has committed)")
     ap.add_argument("--probe-rate", type=float, default=5, help="probe readings per second")
     ap.add_argument("--trigger-seconds", type=float, default=0.5)
     ap.add_argument("--gold-trigger-seconds", type=float, default=3,
@@ -74,6 +80,9 @@ def main() -> None:
     if args.smoke:
         args.rate, args.devices, args.seconds, args.warmup, args.probe_rate = 50, 10, 8, 2, 2
         args.rates = "50"
+    if args.seconds <= args.warmup:  # no probe would be published: every latency null
+        ap.error(f"--seconds ({args.seconds:g}) includes --warmup ({args.warmup:g}): give more "
+                 f"seconds than warm-up, e.g. --seconds {args.warmup + 60:g}")
     if not args.rates:
         print(json.dumps(run_once(args, args.rate)))
         return
@@ -135,6 +144,9 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
                                    stdout=open(root / "simulate.log", "w"), stderr=subprocess.STDOUT)
         sim_start = time.monotonic()
         time.sleep(args.warmup)
+        if rate > 0:  # a first batch (planning, code generation) is no steady-state latency
+            _wait(lambda: any(Path(settings.checkpoint_path("gold_health"), "commits").glob("[0-9]*")),
+                  180, "gold health's first batch")
         sample_from = time.time()
         cpu_from = _cpu_by_role()
         watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
@@ -143,7 +155,11 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
             _probe(settings, published, args.probe_rate, args.seconds - args.warmup)
         else:  # no data flowing: what the pipeline costs while it waits
             time.sleep(args.seconds - args.warmup)
-        time.sleep(5 if args.smoke else 15)  # let the last probes arrive
+        # let the last probes arrive: until every one is in both tables, or the drain time is up
+        deadline = time.monotonic() + (30 if args.smoke else 60)
+        while (min(len(silver_seen), len(current_seen)) < len(published)
+               and time.monotonic() < deadline and child.poll() is None):
+            time.sleep(0.2)
         stop.set()
         watcher.join()
         cpu_to = _cpu_by_role()
