@@ -1,0 +1,1 @@
+"""Alerts: rules and their engine over gold (and the pipeline), and delivery to receivers."""
