@@ -51,6 +51,12 @@ def test_password_never_echoed() -> None:
     assert "1,2" not in str(e.value)
 
 
+def test_variables_that_are_not_settings_are_not_read_as_settings() -> None:
+    """``IOTLAKE_JARS_DIR`` (lakehouse.jars' error message suggests it) is not a setting."""
+    env = {"IOTLAKE_JARS_DIR": "/opt/jars", "IOTLAKE_BIN": "/x/iotlake", "IOTLAKE_TEST_KAFKA_PORT": "1"}
+    assert load_settings(environ=env).kafka.topic == "telemetry"
+
+
 def test_missing_config_file_and_cli_exit_code(tmp_path: Path, capsys) -> None:
     with pytest.raises(SettingsError, match="does not exist"):
         load_settings(tmp_path / "nope.toml", environ={})
