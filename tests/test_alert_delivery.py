@@ -214,6 +214,31 @@ def test_firing_alerts_are_posted_again_until_resolved(tmp_path, receiver):
         outbox.stop()
 
 
+def test_an_alert_alertmanager_refuses_is_not_posted_again(tmp_path, caplog):
+    """Alertmanager stores the valid alerts of a request and answers 400 for the others: the
+    re-post of a refused alert would fail every period, and take the others' along."""
+    with Alertmanager(tmp_path / "am", "http://127.0.0.1:1/unused") as am:
+        s = make_settings(tmp_path, alertmanager_url=am.url, alertmanager_resend_seconds=30,
+                          max_attempts=1)
+        outbox = Outbox(tmp_path / "alerts.sqlite", channels_for(s), s.alerts)
+        good, bad = firing("ok"), firing("refused")
+        bad = replace(bad, labels={**bad.labels, "bad-label": "x"})  # not a Prometheus label name
+        commit(outbox, [good, bad])
+        now = time.time()
+        assert outbox.deliver_due(now) == 1
+        assert outbox.counts()["alertmanager"] == {"pending": 0, "delivered": 1, "failed": 1}
+        resent = counted("alertmanager", "resent")
+        with caplog.at_level(logging.WARNING, logger="gold.alerts.outbox"):
+            outbox.deliver_due(now + 31)
+            outbox.deliver_due(now + 62)
+        assert counted("alertmanager", "resent") == resent + 2  # the good one, twice
+        refused = [r for r in caplog.records if "not posted again" in r.getMessage()]
+        assert len(refused) == 1 and bad.key in refused[0].getMessage()
+        [a] = am.alerts()
+        assert a["labels"] == good.labels
+        outbox.stop()
+
+
 def test_mqtt_subscriber_gets_the_json_at_qos1(tmp_path, mqtt_port):
     topic = f"iotlake/alerts/{next(_seq)}"
     got: list[mqtt.MQTTMessage] = []

@@ -187,12 +187,18 @@ class Outbox:
                 self._kick.wait(self._idle_seconds())
 
     def _idle_seconds(self) -> float:
-        """Until the next row or re-post is due (at most ``POLL_SECONDS``)."""
+        """Until the next back-off or re-post ends (at most ``POLL_SECONDS``): a row due now
+        that the last pass left waits behind one of those."""
         now = time.time()
+        names = [c.name for c in self.channels]
+        if not names:
+            return POLL_SECONDS
+        among = ", ".join("?" * len(names))
         with self._lock:
             nexts = [t for (t,) in self.conn.execute(
-                "SELECT min(next_at) FROM outbox_queue WHERE state = 'pending' UNION ALL "
-                "SELECT min(next_at) FROM outbox_firing") if t is not None]
+                f"SELECT min(next_at) FROM outbox_queue WHERE state = 'pending' AND next_at > ? "
+                f"AND channel IN ({among}) UNION ALL SELECT min(next_at) FROM outbox_firing "
+                f"WHERE next_at > ? AND channel IN ({among})", (now, *names, now, *names)) if t is not None]
         nexts += [t for t in self._resend_after.values() if t > now]
         return min(POLL_SECONDS, max(0.01, min(nexts, default=now + POLL_SECONDS) - now))
 
@@ -274,33 +280,43 @@ class Outbox:
                         ch.name, key, error)
 
     def _resend(self, ch: Channel, now: float) -> None:
-        """Post the alerts still firing again (those with no notification pending)."""
+        """Post the alerts still firing again (those with no notification pending), many per
+        request; a refused request is split into single posts, and an alert refused alone is
+        not posted again (Alertmanager refuses, e.g., an invalid label name every time)."""
         if self._resend_after.get(ch.name, 0.0) > now:
             return
         rows = self.conn.execute(
             "SELECT fingerprint, body FROM outbox_firing f WHERE channel = ? AND next_at <= ? AND NOT "
             "EXISTS (SELECT 1 FROM outbox_queue q WHERE q.channel = f.channel AND q.fingerprint = "
             "f.fingerprint AND q.state = 'pending') ORDER BY fingerprint", (ch.name, now)).fetchall()
+        post = getattr(ch, "post", None) or (lambda notes: [ch.send(n) for n in notes])
         for i in range(0, len(rows), RESEND_BATCH):
-            chunk = rows[i:i + RESEND_BATCH]
-            notes = [Notification.from_json(body) for _, body in chunk]
+            chunk = [(fp, Notification.from_json(body)) for fp, body in rows[i:i + RESEND_BATCH]]
             try:
-                post = getattr(ch, "post", None)
-                if post is not None:
-                    post(notes)
-                else:
-                    for n in notes:
-                        ch.send(n)
-            except Exception as e:  # noqa: BLE001 - tried again after a back-off
+                try:
+                    post([n for _, n in chunk])
+                    done = [fp for fp, _ in chunk]
+                except Rejected:
+                    done = []
+                    for fp, n in chunk:
+                        try:
+                            ch.send(n)
+                            done.append(fp)
+                        except Rejected as e:
+                            log.warning("alerts: %s refuses firing alert %s (%s): not posted again",
+                                        ch.name, n.key, e)
+                            self.conn.execute("DELETE FROM outbox_firing WHERE channel = ? AND "
+                                              "fingerprint = ?", (ch.name, fp))
+            except Exception as e:  # noqa: BLE001 - unavailable: tried again after a back-off
                 self._resend_after[ch.name] = now + self.cfg.retry_seconds
                 if ch.name not in self._down:
                     self._down.add(ch.name)
                     log.warning("alerts: %s: re-posting %d firing alerts failed (%s); retrying",
-                                ch.name, len(notes), e)
+                                ch.name, len(chunk), e)
                 return
             self.conn.executemany("UPDATE outbox_firing SET next_at = ? WHERE channel = ? AND fingerprint = ?",
-                                  [(now + ch.resend_seconds, ch.name, fp) for fp, _ in chunk])
-            NOTIFICATIONS.labels(ch.name, "resent").inc(len(chunk))
+                                  [(now + ch.resend_seconds, ch.name, fp) for fp in done])
+            NOTIFICATIONS.labels(ch.name, "resent").inc(len(done))
 
     # ---- for operators ----------------------------------------------------------------------
     def counts(self, conn: sqlite3.Connection | None = None) -> dict[str, dict[str, int]]:
