@@ -239,11 +239,13 @@ def test_an_alert_alertmanager_refuses_is_not_posted_again(tmp_path, caplog):
         outbox.stop()
 
 
-def test_mqtt_subscriber_gets_the_json_at_qos1(tmp_path, mqtt_port):
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_mqtt_subscriber_gets_the_json_at_qos1(tmp_path, mqtt_port, protocol):
     topic = f"iotlake/alerts/{next(_seq)}"
     got: list[mqtt.MQTTMessage] = []
     subscribed = threading.Event()
-    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"alerts-sub-{next(_seq)}")
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"alerts-sub-{next(_seq)}",
+                      protocol=mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311)
     sub.on_message = lambda c, u, m: got.append(m)
     sub.on_subscribe = lambda c, u, mid, rc, p: subscribed.set()
     sub.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
@@ -252,6 +254,7 @@ def test_mqtt_subscriber_gets_the_json_at_qos1(tmp_path, mqtt_port):
     try:
         assert subscribed.wait(10)
         s = make_settings(tmp_path, mqtt_port, mqtt_topic=topic)
+        s.mqtt.protocol = protocol
         [channel] = channels_for(s)
         assert isinstance(channel, MqttChannel)
         outbox = Outbox(tmp_path / "alerts.sqlite", [channel], s.alerts)
@@ -264,6 +267,9 @@ def test_mqtt_subscriber_gets_the_json_at_qos1(tmp_path, mqtt_port):
             time.sleep(0.02)
         assert [json.loads(m.payload) for m in got] == [webhook_body([f]), webhook_body([r])]
         assert [(m.topic, m.qos) for m in got] == [(topic, 1), (topic, 1)]
+        if protocol == "5":  # the key as the webhook's header has it
+            assert [m.properties.UserProperty for m in got] == [[("Idempotency-Key", f.key)],
+                                                                [("Idempotency-Key", r.key)]]
         outbox.stop()
     finally:
         sub.disconnect()

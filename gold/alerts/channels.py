@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 import requests
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from gold.alerts.notification import Notification, rfc3339, webhook_body
 from ingest.simulator import mqtt_client
@@ -130,7 +132,9 @@ class WebhookChannel:
 
 class MqttChannel:
     """The webhook body on an MQTT topic at QoS 1, sent once the broker acknowledged it
-    (PUBACK). One client for the channel's life: paho reconnects it in its own thread."""
+    (PUBACK). One client for the channel's life: paho reconnects it in its own thread. Under
+    MQTT 5 (``mqtt.protocol``) the notification's key is the user property ``Idempotency-Key``,
+    as the webhook's header, and a PUBACK with an error reason (not authorized) is a failure."""
 
     name = "mqtt"
     resend_seconds = None
@@ -139,11 +143,14 @@ class MqttChannel:
         self.topic, self.timeout, self.receiver = topic, timeout, receiver
         self.connected = threading.Event()
         self.refused = ""
+        self.v5 = settings.mqtt.protocol == "5"
         self.client = mqtt_client(settings, f"iotlake-alerts-{uuid.uuid4().hex[:12]}",
-                                  protocol=mqtt.MQTTv311)
+                                  protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311)
         self.client.reconnect_delay_set(1, 30)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
+        self.client.on_publish = self._on_publish
+        self._acks: dict[int, object] = {}  # message id -> the PUBACK's reason code
         self.host, self.port = settings.mqtt_endpoint
         self.client.connect_async(self.host, self.port, keepalive=30)
         self.client.loop_start()
@@ -160,13 +167,21 @@ class MqttChannel:
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
 
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        self._acks[mid] = reason_code
+
     def send(self, n: Notification) -> None:
         deadline = time.monotonic() + self.timeout
         if not self.connected.wait(self.timeout):
             raise DeliveryError(f"MQTT broker {self.host}:{self.port} not connected"
                                 + (f" (refused: {self.refused})" if self.refused else ""))
         payload = json.dumps(webhook_body([n], self.receiver), separators=(",", ":")).encode()
-        info = self.client.publish(self.topic, payload, qos=1)
+        props = None
+        if self.v5:
+            props = Properties(PacketTypes.PUBLISH)
+            props.UserProperty = [("Idempotency-Key", n.key)]
+            props.ContentType = "application/json"
+        info = self.client.publish(self.topic, payload, qos=1, properties=props)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             raise DeliveryError(f"MQTT publish to {self.topic}: {mqtt.error_string(info.rc)}")
         try:
@@ -175,6 +190,9 @@ class MqttChannel:
             raise DeliveryError(f"MQTT publish to {self.topic}: {e}") from e
         if not info.is_published():
             raise DeliveryError(f"MQTT publish to {self.topic}: no PUBACK within {self.timeout:g}s")
+        code = self._acks.pop(info.mid, None)
+        if code is not None and getattr(code, "is_failure", False):
+            raise DeliveryError(f"MQTT publish to {self.topic}: the broker answered {code}")
 
     def close(self) -> None:
         self.client.disconnect()
