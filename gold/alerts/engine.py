@@ -84,8 +84,7 @@ class DeviceTable:
                 self.table.update_incremental()
             v = self.table.version()
             if v != self.version or self.rows is None:
-                names = set(self.table.schema().to_arrow().names) if hasattr(
-                    self.table.schema(), "to_arrow") else {f.name for f in self.table.schema().fields}
+                names = {f.name for f in self.table.schema().fields}
                 cols = [c for c in (*self.COLUMNS, self.site_column) if c in names]
                 t = self.table.to_pyarrow_table(columns=cols)
                 if self.site_column in cols and self.site_column != "site":
