@@ -132,14 +132,14 @@ def _progress_fields(p: dict, ops: list[dict], custom: list[dict], lags: list) -
 
 
 class _JsonEvents:
-    """The JVM side's view of :class:`MetricsListener`: takes each progress event as its JSON.
+    """The JVM side's view of a :class:`JsonListener`: takes each progress event as its JSON.
 
     PySpark's own bridge first rebuilds every event as Python objects, field by field over
     Py4J (hundreds of round trips per event, several events per second per query): one call
     for the JSON is all the listener needs.
     """
 
-    def __init__(self, listener: MetricsListener) -> None:
+    def __init__(self, listener: JsonListener) -> None:
         self.listener = listener
 
     def onQueryStarted(self, jevent) -> None:
@@ -152,13 +152,90 @@ class _JsonEvents:
         pass
 
     def onQueryTerminated(self, jevent) -> None:
-        pass  # the writer thread flushes; no Spark job on the listener bus
+        self.listener.ended(str(jevent.runId()))
 
     class Java:
         implements = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
 
 
-class MetricsListener(StreamingQueryListener):
+class JsonListener(StreamingQueryListener):
+    """A listener that takes each progress event as its JSON (``record``) and each query's end
+    as its run id (``ended``), through :class:`_JsonEvents`. Both run on Spark's listener bus,
+    in the order the events were posted: no Spark job there."""
+
+    @property
+    def _jlistener(self):
+        """Registered with the JVM by ``spark.streams.addListener``: the JSON-only bridge."""
+        if not hasattr(self, "_jlistenerobj"):
+            from pyspark import SparkContext
+
+            self._jlistenerobj = SparkContext._jvm.PythonStreamingQueryListenerWrapper(_JsonEvents(self))
+        return self._jlistenerobj
+
+    def record(self, progress_json: str) -> None:
+        raise NotImplementedError
+
+    def ended(self, run_id: str) -> None:
+        pass
+
+    def onQueryStarted(self, event) -> None:
+        pass
+
+    def onQueryProgress(self, event) -> None:
+        self.record(event.progress.json)
+
+    def onQueryIdle(self, event) -> None:
+        pass
+
+    def onQueryTerminated(self, event) -> None:
+        self.ended(str(event.runId))
+
+
+class BatchTotals(JsonListener):
+    """Input rows and micro-batches of each query run, from every progress event: a query's
+    ``recentProgress`` keeps the last 100 only (``spark.sql.streaming.numRecentProgressUpdates``),
+    so a sum over it is short after 100 batches. Add it before the queries start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, list[int]] = {}  # run id -> [rows, batches, last batch id, its rows]
+        self._ended: dict[str, threading.Event] = {}
+
+    def record(self, progress_json: str) -> None:
+        p = json.loads(progress_json)
+        rows, batch = int(p.get("numInputRows") or 0), int(p["batchId"])
+        with self._lock:
+            t = self._runs.setdefault(p["runId"], [0, 0, -1, 0])
+            if t[2] == batch:  # a batch reported again: its last report counts
+                t[0] -= t[3]
+            else:
+                t[1] += 1
+            t[0] += rows
+            t[2], t[3] = batch, rows
+
+    def ended(self, run_id: str) -> None:
+        self._event(run_id).set()
+
+    def _event(self, run_id: str) -> threading.Event:
+        with self._lock:
+            return self._ended.setdefault(run_id, threading.Event())
+
+    def totals(self, query) -> tuple[int, int]:
+        """(input rows, micro-batches) ``query`` has reported so far."""
+        with self._lock:
+            rows, batches, *_ = self._runs.get(str(query.runId), [0, 0])
+        return rows, batches
+
+    def final(self, query, timeout: float = 60.0) -> tuple[int, int]:
+        """``totals`` once the listener has had the query's end: the bus delivers events after
+        the query has stopped, its last batch's progress before its end."""
+        if not self._event(str(query.runId)).wait(timeout):
+            log.warning("no end event from query %s within %.0f s: its counts may be short",
+                        query.name, timeout)
+        return self.totals(query)
+
+
+class MetricsListener(JsonListener):
     """Records progress to Prometheus at once and to ``pipeline_metrics`` every
     ``flush_seconds`` (from its own thread)."""
 
@@ -176,21 +253,6 @@ class MetricsListener(StreamingQueryListener):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="iotlake-metrics-writer", daemon=True)
         self._thread.start()
-
-    def onQueryStarted(self, event) -> None:
-        pass
-
-    @property
-    def _jlistener(self):
-        """Registered with the JVM by ``spark.streams.addListener``: the JSON-only bridge."""
-        if not hasattr(self, "_jlistenerobj"):
-            from pyspark import SparkContext
-
-            self._jlistenerobj = SparkContext._jvm.PythonStreamingQueryListenerWrapper(_JsonEvents(self))
-        return self._jlistenerobj
-
-    def onQueryProgress(self, event) -> None:
-        self.record(event.progress.json)
 
     def record(self, progress_json: str) -> None:
         """One progress event (its JSON) into the buffer and the Prometheus series."""
@@ -212,12 +274,7 @@ class MetricsListener(StreamingQueryListener):
         with self._lock:
             self._rows.append(row)
 
-    def onQueryIdle(self, event) -> None:
-        pass
-
-    def onQueryTerminated(self, event) -> None:
-        # not here: a MERGE is a Spark job, and this runs on the listener bus. Soon enough.
-        pass
+    # ``ended``: no flush there: a MERGE is a Spark job, and this runs on the listener bus.
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_seconds):
