@@ -3,8 +3,9 @@
 Same code and same checkpoint as the live stream, so a backfill and the live stream never
 disagree and either can pick up where the other stopped. The checkpoint lock makes a backfill
 refuse to run while the live stream of that layer is running (checked before Spark starts); a
-layer with nothing new upstream is skipped without starting Spark at all. Progress (rows done / rows to
-do) is logged per micro-batch.
+layer with nothing new upstream is skipped without starting Spark at all. Progress (rows done of
+rows to do, rate, time left) is a bar on a terminal, else a log line every ``progress_every``
+seconds; rows and batches are counted by a listener (``orchestration.progress``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 
 from lakehouse import storage
@@ -109,11 +109,12 @@ def _delta_done(offset: dict | None) -> tuple[int, int]:
     return int(offset["reservoirVersion"]), int(offset.get("index", -1))
 
 
-def rows_to_do(settings: Settings, layer: str) -> int:
-    """Upstream rows the layer has not processed yet (for progress logs: a Delta source part-way
-    through its initial snapshot counts that snapshot as done)."""
-    query, upstream = _UPSTREAM[layer]
-    done = _committed_offset(settings.checkpoint_path(query))
+def rows_to_do(settings: Settings, layer: str, query: str | None = None) -> int:
+    """Upstream rows the layer (its ``query``, by default the one whose rows a backfill reports)
+    has not processed yet (for progress: a Delta source part-way through its initial snapshot
+    counts that snapshot as done)."""
+    main, upstream = _UPSTREAM[layer]
+    done = _committed_offset(settings.checkpoint_path(query or main))
     if upstream == "kafka":
         committed = (done or {}).get(settings.kafka.topic, {})
         return sum(max(0, high - int(committed.get(str(p), low)))
@@ -165,9 +166,11 @@ def caught_up(settings: Settings, layer: str, bronze_version: int | None = None)
 def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
              progress_every: float = 2.0) -> dict[str, int]:
     """Catch the given layers up, upstream first; returns rows processed per layer."""
+    from lakehouse.metrics import BatchTotals
     from lakehouse.spark import spark_session
     from lakehouse.streams import lock_checkpoint, release_checkpoints
     from orchestration.pipeline import LAYERS, start_layers
+    from orchestration.progress import follow
 
     unknown = [x for x in layers if x not in LAYERS]
     if unknown:
@@ -178,6 +181,7 @@ def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
         settings = settings.model_copy(deep=True)
         settings.stream.max_offsets_per_trigger = max_rows  # Kafka; Delta sources bound files
     done: dict[str, int] = {}
+    spark = totals = None
     try:
         steps = _steps(settings, layers, LAYERS)
         # refuse before starting Spark (seconds) if a live stream holds any checkpoint needed
@@ -186,33 +190,28 @@ def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
                 lock_checkpoint(settings.checkpoint_path(query))
         storage.check(settings)  # what spark_session does first; the checks below read tables
         storage.configure(settings)
-        spark = None
         for step, written in steps:
             if caught_up(settings, step):  # e.g. an Airflow rerun: no JVM for nothing
                 log.info("backfill %s: nothing to do", step)
                 done.update(dict.fromkeys(written, 0))
                 continue
-            spark = spark or spark_session(settings, app_name="iotlake-backfill", batch=True)
+            if spark is None:
+                spark = spark_session(settings, app_name="iotlake-backfill", batch=True)
+                totals = BatchTotals()
+                spark.streams.addListener(totals)
             todo = rows_to_do(settings, step)
             log.info("backfill %s: %d rows to do", step, todo)
             started = ("bronze", "silver") if step == "bronze_silver" else written
             queries = start_layers(spark, settings, started, trigger="available_now")
             main = queries[_UPSTREAM[step][0] if step != "gold" else "gold"]
-            last_log = 0.0
-            while any(q.isActive for q in queries.values()):
-                time.sleep(0.5)
-                if time.monotonic() - last_log >= progress_every:
-                    rows = sum(p["numInputRows"] for p in main.recentProgress)
-                    log.info("backfill %s: %d / %d rows (%.0f%%)", step, rows, todo,
-                             100.0 * rows / todo if todo else 100.0)
-                    last_log = time.monotonic()
+            rows, _ = follow(totals, main, queries.values(), f"backfill {step}", todo, progress_every)
             for name, q in queries.items():
                 if q.exception():
                     raise RuntimeError(f"backfill {step}: {name} failed: {q.exception()}")
-            rows = sum(p["numInputRows"] for p in main.recentProgress)
             done.update(dict.fromkeys(written, rows))
-            log.info("backfill %s: done, %d / %d rows", step, rows, todo)
     finally:
+        if totals is not None:
+            spark.streams.removeListener(totals)
         release_checkpoints()
     return done
 

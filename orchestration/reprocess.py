@@ -9,7 +9,8 @@ plus the expectation suite), and only then are readers switched to it by atomica
 ``bronze_ending_version``). Bronze itself is never rewritten. Known limit (docs/guarantees.md):
 Delta's streaming source has no ending version, so the rebuild's checkpoint ends at bronze's
 latest version; live streams that continue the new generation skip bronze rows committed after
-version N and before the rebuild.
+version N and before the rebuild. Each query's progress and the rows it read are counted and
+shown as a backfill's are (``orchestration.progress``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def reprocess(settings: Settings, version: int | None = None, timestamp: str | N
     for q in (*DERIVED_QUERIES, "bronze_silver"):  # the fused topology's query writes silver
         lock_checkpoint(settings.checkpoint_path(q))
     try:
-        _build(target, v)
+        report["rows_read"] = _build(target, v)
     finally:
         release_checkpoints()
     acct = _accounting(target)
@@ -110,27 +111,40 @@ def reprocess(settings: Settings, version: int | None = None, timestamp: str | N
     return report
 
 
-def _build(target: Settings, bronze_version: int) -> None:
+def _build(target: Settings, bronze_version: int) -> dict[str, int]:
+    """Run the generation's queries to their end, one at a time; returns the rows each read
+    (silver: every bronze row it read, those after ``bronze_version`` dropped by its filter)."""
     import gold.health
     import gold.windows
     import silver.stream
     from lakehouse import storage
+    from lakehouse.metrics import BatchTotals
     from lakehouse.spark import spark_session
-    from orchestration.backfill import caught_up
+    from orchestration.backfill import caught_up, rows_to_do
+    from orchestration.progress import follow
 
     storage.configure(target)  # as spark_session would, before reading remote checkpoints' tables
     if caught_up(target, "silver", bronze_version) and caught_up(target, "gold"):
         log.info("generation already built from bronze version %d", bronze_version)
-        return  # a rerun: no Spark for nothing
+        return {"silver": 0, "gold_metrics_1m": 0, "gold_health": 0}  # a rerun: no Spark for nothing
     spark = spark_session(target, app_name="iotlake-reprocess", batch=True)
-    for start in (lambda: silver.stream.start(spark, target, trigger="available_now",
-                                              bronze_ending_version=bronze_version),
-                  lambda: gold.windows.start(spark, target, trigger="available_now"),
-                  lambda: gold.health.start(spark, target, trigger="available_now")):
-        q = start()
-        q.awaitTermination()
-        if q.exception():
-            raise RuntimeError(f"reprocess {q.name} failed: {q.exception()}")
+    totals = BatchTotals()
+    spark.streams.addListener(totals)
+    read: dict[str, int] = {}
+    try:
+        for name, layer, start in (
+                ("silver", "silver", lambda: silver.stream.start(
+                    spark, target, trigger="available_now", bronze_ending_version=bronze_version)),
+                ("gold_metrics_1m", "gold", lambda: gold.windows.start(spark, target, trigger="available_now")),
+                ("gold_health", "gold", lambda: gold.health.start(spark, target, trigger="available_now"))):
+            todo = rows_to_do(target, layer, name)
+            q = start()
+            read[name], _ = follow(totals, q, [q], f"reprocess {name}", todo)
+            if q.exception():
+                raise RuntimeError(f"reprocess {q.name} failed: {q.exception()}")
+    finally:
+        spark.streams.removeListener(totals)
+    return read
 
 
 def _validate(target: Settings) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -61,6 +62,18 @@ def test_backfill_catches_up_exactly_and_rerun_changes_nothing(settings: Setting
                 for t in ("bronze", "silver", "gold_metrics_1m", "device_current")}
     assert backfill(settings, ["bronze", "silver", "gold"]) == {"bronze": 0, "silver": 0, "gold": 0}
     assert versions == {t: DeltaTable(settings.table_path(t)).version() for t in versions}
+
+
+def test_backfill_counts_every_batch_past_the_last_100(settings: Settings, spark,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A query's ``recentProgress`` keeps its last 100 batches: 105 one-record batches (one
+    device, so one partition; at most one record per trigger) are counted whole."""
+    produce(settings, generate(settings, 105, devices=1, start=START))
+    with caplog.at_level(logging.INFO, logger="orchestration.progress"):
+        done = backfill(settings, ["bronze"], max_rows=1)
+    assert done == {"bronze": 105} and count(settings, "bronze") == 105
+    assert DeltaTable(settings.table_path("bronze")).version() >= 105  # a commit per batch
+    assert "backfill bronze: done, 105 / 105 rows (100%), 105 batches" in caplog.text
 
 
 def test_backfill_refuses_while_live_stream_holds_checkpoint(settings: Settings, spark,
@@ -141,6 +154,9 @@ def test_reprocess_as_of_bronze_version_switches_readers_and_is_idempotent(setti
     assert report["switched_to"] == f"v{v_first}" and settings.generation() == f"v{v_first}"
     # readers now see silver/gold computed from bronze as of that version only
     valid_first = {m.event_id for m in first if m.kind in ("valid", "late")}
+    # silver read all of bronze (its filter kept version v_first's rows); gold read those
+    assert report["rows_read"] == {"silver": 700, "gold_metrics_1m": len(valid_first),
+                                   "gold_health": len(valid_first)}
     silver = DeltaTable(settings.table_path("silver")).to_pandas()
     assert set(silver.event_id) == valid_first and silver.event_id.is_unique
     assert count(settings, "quarantine") == sum(m.kind == "malformed" for m in first)
@@ -150,5 +166,22 @@ def test_reprocess_as_of_bronze_version_switches_readers_and_is_idempotent(setti
     assert DeltaTable(settings.table_path("silver", generation="")).to_pyarrow_dataset().count_rows() == 677
     versions = DeltaTable(settings.table_path("silver")).version()
     again = reprocess(settings, version=v_first)  # rerun: nothing rebuilt, nothing changes
-    assert again["switched_to"] == f"v{v_first}"
+    assert again["switched_to"] == f"v{v_first}" and set(again["rows_read"].values()) == {0}
     assert DeltaTable(settings.table_path("silver")).version() == versions
+
+
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(capsys: pytest.CaptureFixture,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    from orchestration.progress import RowsProgress
+
+    with RowsProgress("backfill silver", 1000, tty=True) as bar:
+        bar.update(250, 3)
+    assert "backfill silver" in (err := capsys.readouterr().err) and "250 / 1,000 rows (25%), 3 batches" in err
+    with caplog.at_level(logging.INFO, logger="orchestration.progress"):
+        with RowsProgress("backfill gold", 1000, every=0.0, tty=False) as lines:
+            lines.update(500, 2)
+            lines.update(1000, 4)
+    assert [r.getMessage().split(", ")[:2] for r in caplog.records] == [
+        ["backfill gold: 500 / 1,000 rows (50%)", "2 batches"],
+        ["backfill gold: 1,000 / 1,000 rows (100%)", "4 batches"]]
+    assert " left" in caplog.records[0].getMessage() and " left" not in caplog.records[1].getMessage()
