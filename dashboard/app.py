@@ -27,11 +27,12 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from lakehouse.delta_read import arrow_dataset, table_exists
 from lakehouse.settings import Settings
+from lakehouse.status_file import DEFAULT_MAX_AGE, read_status
 
 log = logging.getLogger(__name__)
 
@@ -370,11 +371,12 @@ def create_app(settings: Settings, token: str | None = None, check_every: float 
     app = FastAPI(title="iotlake dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.lake = lake
 
-    def auth(request: Request) -> None:
-        if not token:
-            return
+    def authorized(request: Request) -> bool:
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        return not token or hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+    def auth(request: Request) -> None:
+        if not authorized(request):
             raise HTTPException(401, "missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
@@ -402,8 +404,15 @@ def create_app(settings: Settings, token: str | None = None, check_every: float 
         return lake.pipeline()
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz(request: Request, role: str = Query("all", pattern="^[a-z]+$"),
+                max_age: float = Query(DEFAULT_MAX_AGE, gt=0)) -> JSONResponse:
+        """The pipeline's health as ``iotlake status --format json`` says it: 200 healthy, 503
+        unhealthy or not running. Open to probes; with a token set, the details (endpoints,
+        paths, errors) only to a request that carries it."""
+        status = read_status(settings, max_age, role)
+        if not authorized(request):
+            status = {k: status.get(k) for k in ("time", "role", "running", "healthy")}
+        return JSONResponse(status, status_code=200 if status["healthy"] else 503)
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "silver.default_suite",
     "orchestration.query_cli",
     "orchestration.sql_cli",
+    "orchestration.status_cli",
     "dashboard.cli",
     "ingest.cli",
     "orchestration.cluster",

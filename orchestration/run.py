@@ -176,8 +176,12 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             t.start()
             stack.callback(lambda: (sim_stop.set(), t.join(10)))
         log.info("iotlake running (role=%s); Ctrl-C to stop", role)
+        from orchestration.status import StatusWriter  # <run_dir>/status.json, once a second
+
+        status = stack.enter_context(StatusWriter(settings, role, running, bridge))
         released = time.monotonic()
         while not stop.wait(1.0):
+            status.tick()
             if running:
                 check_alive(running.queries)
             if bridge is not None:

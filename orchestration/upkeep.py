@@ -75,6 +75,13 @@ def error_line(e: BaseException) -> str:
     return (named or (lines[0] if lines else type(e).__name__))[:300]
 
 
+def free_disk_bytes(settings: Settings) -> int:
+    """Free bytes on the disk under the local data root, also published as ``DISK_FREE``."""
+    free = shutil.disk_usage(settings.root).free
+    DISK_FREE.set(free)
+    return free
+
+
 class Upkeep:
     """One upkeep pass (``tick``) and the thread that runs it every ``check_seconds``."""
 
@@ -122,8 +129,7 @@ class Upkeep:
         """Publish the local data root's free disk; the free GB when under
         ``maintenance.min_free_disk_gb`` (and a warning that says what to do), else None."""
         s = self.settings
-        free = shutil.disk_usage(s.root).free
-        DISK_FREE.set(free)
+        free = free_disk_bytes(s)
         floor = s.maintenance.min_free_disk_gb
         if free >= floor * 2**30:
             return None

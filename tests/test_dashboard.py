@@ -55,7 +55,14 @@ def test_api(served) -> None:
     base, settings, facts = served
     assert get(base, "/api/fleet", token=None).status_code == 401
     assert get(base, "/api/fleet", token="wrong").status_code == 401
-    assert get(base, "/healthz", token=None).json() == {"status": "ok"}
+    # no `iotlake run` on this lake: not running (the healthy side is tests/test_status.py's);
+    # without the token only the verdict, with it the whole status
+    health = get(base, "/healthz", token=None)
+    assert health.status_code == 503
+    assert health.json() == {"time": None, "role": "all", "running": False, "healthy": False}
+    health = get(base, "/healthz")
+    assert health.status_code == 503 and health.json()["problems"] == [
+        f"not running: no status file {settings.run_dir / 'status.json'} (start `iotlake run`)"]
 
     fleet = get(base, "/api/fleet").json()
     assert fleet["by_status"] == facts["fleet"] and fleet["total"] == facts["devices"]
