@@ -11,7 +11,7 @@ both tables (at most 60 s). Last line: one JSON
 object with ``silver_p50_s``, ``silver_p99_s``, ``current_p99_s``, ``events`` and the trigger
 settings used. ``--rates 0,200,1000,5000`` runs once per rate (a fresh data root each) and ends with
 ``cores_idle``, ``cores_<rate>``, ``silver_p50_s_<rate>``, ``silver_p99_s_<rate>``,
-``current_p99_s_<rate>`` and ``achieved_<rate>``.
+``current_p50_s_<rate>``, ``current_p99_s_<rate>`` and ``achieved_<rate>``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
 
 def summary(runs: dict[float, dict]) -> dict:
     """The issue's figures from one run per rate: cores of ``iotlake run`` itself per rate
-    (``cores_idle`` at 0), silver p50 / p99, device_current p99 and the simulator's achieved
+    (``cores_idle`` at 0), silver and device_current p50 / p99 and the simulator's achieved
     rate at each rate with data."""
     out: dict = {}
     for rate, r in runs.items():
@@ -104,6 +104,7 @@ def summary(runs: dict[float, dict]) -> dict:
         if rate > 0:
             out[f"silver_p50_s_{key}"] = r["silver_p50_s"]
             out[f"silver_p99_s_{key}"] = r["silver_p99_s"]
+            out[f"current_p50_s_{key}"] = r["current_p50_s"]
             out[f"current_p99_s_{key}"] = r["current_p99_s"]
             out[f"achieved_{key}"] = r["achieved_rate"]
     return {**out, "load": os.getloadavg()[0]}
