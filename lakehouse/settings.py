@@ -592,12 +592,6 @@ class Settings(_Section):
             if r.metric and r.kind in ("threshold", "anomaly") and model.metrics and r.metric not in known:
                 raise ValueError(f"{key}.metric: unknown metric {r.metric!r} in rule {r.name!r} "
                                  f"(the telemetry model declares: {', '.join(known) or 'none'})")
-            # the shipped site rule waits for a model with sites; a rule of the user's needs one
-            if (r.kind == "site_silent" and "rules" in self.alerts.model_fields_set
-                    and self.alerts.site_column not in model.topic_columns):
-                raise ValueError(f"{key}: rule {r.name!r} (site_silent) needs the topic column "
-                                 f"alerts.site_column = {self.alerts.site_column!r} in "
-                                 f"telemetry.topic_pattern (e.g. \"plant/{{site}}/{{device_id}}/telemetry\")")
         return self
 
     @model_validator(mode="after")

@@ -179,6 +179,12 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
         from orchestration.status import StatusWriter  # <run_dir>/status.json, once a second
 
         status = stack.enter_context(StatusWriter(settings, role, running, bridge))
+        if running and role in ("all", "streams"):  # where silver's and gold's batches are made
+            from orchestration.alerting import alerting
+
+            engine = stack.enter_context(alerting(spark, settings, lambda: status.latest))
+            if engine is not None:
+                status.alerts = engine.summary
         released = time.monotonic()
         while not stop.wait(1.0):
             status.tick()

@@ -106,8 +106,10 @@ class AlertEngine:
         self.settings, self.cfg = settings, settings.alerts
         self.rules = list(self.cfg.rules)
         sites = settings.telemetry.topic_columns
-        # the shipped site rule waits for a model whose topics name sites
-        if self.cfg.site_column not in sites:
+        # a site rule waits for a model whose topics name sites
+        if self.cfg.site_column not in sites and any(r.kind == "site_silent" for r in self.rules):
+            log.info("alerts: site rules inactive: telemetry.topic_pattern names no {%s} "
+                     "(alerts.site_column)", self.cfg.site_column)
             self.rules = [r for r in self.rules if r.kind != "site_silent"]
         self.site_column = self.cfg.site_column
         self.outbox, self.pipeline = outbox, pipeline

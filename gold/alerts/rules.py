@@ -98,8 +98,8 @@ def pipeline_conditions(rules: list[AlertRuleSettings], snap: dict) -> list[Cond
                                          value=age))
         elif r.kind == "pipeline_lag":
             for name, q in queries.items():
-                lag = q.get("lag")
-                if lag is not None and lag > r.max_lag:
+                lag = q.get("lag")  # records behind Kafka (a Delta source's lag is in versions)
+                if q.get("source", "kafka") == "kafka" and lag is not None and lag > r.max_lag:
                     out.append(Condition(r, name, {"query": name},
                                          _summary(r, f"query {name}: {lag} records behind Kafka"),
                                          value=float(lag)))
