@@ -6,30 +6,38 @@ against ``mosquitto_sub | kcat``, scaling; and the two that need no Spark. Spark
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_benchmarks import check_last_line
+from test_benchmarks import Headline, check_last_line
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: bench -> keys its last line must have
+#: bench -> its last line's headline figures
 SUBPROCESS = {
-    "anomaly_quality": ("score", "score_direct", "score_leave_one_category_out", "per_category",
-                        "state_bytes_per_key", "ratio", "baseline_score", "readings_per_s"),
-    "bridge_throughput": (),
-    "dedup_index": ("keys", "bytes_per_key", "cpu_ms_per_batch", "rss_mb", "rss_growth_mb_after_full"),
-    "e2e_latency": ("cores_50", "silver_p50_s_50", "silver_p99_s_50", "current_p99_s_50", "achieved_50"),
-    "jvm_startup": (),
-    "query_latency": (),
-    "soak": ("minutes", "rate", "rss_growth_pct_per_h_max", "files_max", "disk_growth_pct_last_20min",
-             "latency_p99_drift", "dashboard_p95_ms_max", "query_p95_ms_max", "lost"),
-    "scaling": ("messages", "local1_p4_rows_per_s", "driver_cpu_s_per_m", "executor_cpu_s_per_m",
-                "predicted_speedup_8", "predicted_speedup_32"),
+    "anomaly_quality": Headline(nonzero=("state_bytes_per_key", "readings_per_s", "kernel_rows_per_s_10k_keys"),
+                                finite=("score", "score_direct", "score_leave_one_category_out",
+                                        "baseline_score", "ratio")),
+    "bridge_throughput": Headline(nonzero=("bridge_msgs_per_s", "baseline_msgs_per_s", "bridge_mqtt311_msgs_per_s",
+                                           "ratio", "bridge_p50_ms", "bridge_p99_ms", "baseline_p50_ms",
+                                           "baseline_p99_ms", "kafka_floor_p50_ms", "kafka_floor_p99_ms"),
+                                  finite=("lost", "baseline_lost")),
+    "dedup_index": Headline(nonzero=("keys", "bytes_per_key", "cpu_ms_per_batch", "rss_mb"),
+                            finite=("rss_growth_mb_after_full",)),
+    "e2e_latency": Headline(nonzero=("cores_50", "achieved_50", "silver_p50_s_50", "silver_p99_s_50",
+                                     "current_p50_s_50", "current_p99_s_50")),
+    "jvm_startup": Headline(nonzero=("c1.wall_s", "c1.cpu_s")),
+    "query_latency": Headline(nonzero=("dashboard_p95_ms", "query_p95_s", "api_fleet.p95_ms"),
+                              finite=("api_fleet_memo_hit_p95_ms",)),
+    "soak": Headline(nonzero=("minutes", "rate", "files_max", "latency_p99_drift", "dashboard_p95_ms_max",
+                              "query_p95_ms_max", "probes"),
+                     finite=("rss_growth_pct_per_h_max", "disk_growth_pct_last_20min", "lost")),
+    "scaling": Headline(nonzero=("messages", "local1_p4_rows_per_s.bronze", "local1_p4_rows_per_s.silver",
+                                 "local1_p4_rows_per_s.bronze_silver", "driver_cpu_s_per_m", "executor_cpu_s_per_m",
+                                 "predicted_speedup_8", "predicted_speedup_32")),
 }
 
 
@@ -40,9 +48,8 @@ def test_bench_smoke(bench: str, tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    check_last_line(bench, proc.stdout, SUBPROCESS[bench])
+    last = check_last_line(bench, proc.stdout, SUBPROCESS[bench])
     if bench == "soak":  # sampled the whole run, every probe reached silver, upkeep kept files down
-        last = json.loads(proc.stdout.strip().splitlines()[-1])
         assert last["samples"] >= 4 and last["lost"] == 0 and last["probes"] > 0, last
         assert 0 < last["files_max"] <= 200, last
 
