@@ -134,6 +134,7 @@ class AlertEngine:
         self.inbox: deque[tuple[str, pa.Table]] = deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()  # set when a tick wrote rows for the Delta tables
+        self.arrived = threading.Event()  # set when a stream handed over a batch: tick now
         self.ticks = 0
 
     # -- what the streams hand over (any thread) -------------------------------------------
@@ -141,10 +142,12 @@ class AlertEngine:
     def observe_readings(self, table: pa.Table) -> None:
         """Silver's rows of a batch (any columns of silver's schema)."""
         self.inbox.append(("readings", table))
+        self.arrived.set()
 
     def observe_scores(self, table: pa.Table) -> None:
         """Gold health's scored readings of a batch (``readings_scored``'s columns)."""
         self.inbox.append(("scores", table))
+        self.arrived.set()
 
     # -- a tick -------------------------------------------------------------------------------
 
@@ -357,15 +360,16 @@ class AlertEngine:
     # -- the running loop -----------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Tick every ``alerts.evaluate_seconds`` until ``stop``; a failing tick is logged and
-        retried at the next one (its changes did not commit)."""
+        """Tick every ``alerts.evaluate_seconds``, and at once when a stream hands over a
+        batch (a breach does not wait for the clock), until ``stop``; a failing tick is logged
+        and retried at the next one (its changes did not commit)."""
         while not stop.is_set():
-            t0 = time.monotonic()
+            self.arrived.clear()
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - keep evaluating; the log says what failed
                 log.exception("alerts: tick failed")
-            stop.wait(max(0.0, self.cfg.evaluate_seconds - (time.monotonic() - t0)))
+            self.arrived.wait(self.cfg.evaluate_seconds)
 
     def summary(self) -> dict:
         """Open alerts for the status snapshot: ``{"open": n, "firing": [...]}``."""
