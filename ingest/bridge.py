@@ -205,10 +205,10 @@ class Bridge:
     def _mqtt_client(self) -> mqtt.Client:
         if self._v5:
             c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv5, manual_ack=True,
-                            client_class=BufferedClient)
+                            client_class=BufferedClient, role="bridge")
         else:
             c = mqtt_client(self.settings, self.bridge_id, protocol=mqtt.MQTTv311, manual_ack=True,
-                            clean_session=False, client_class=BufferedClient)
+                            clean_session=False, client_class=BufferedClient, role="bridge")
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message

@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import paho.mqtt.client as mqtt
 
+from lakehouse import mqtt_auth
 from lakehouse.settings import Settings
 from lakehouse.telemetry import TelemetryModel, topic_parts
 
@@ -317,13 +318,17 @@ def generate(
 
 
 def mqtt_client(settings: Settings, client_id: str = "", protocol: int = mqtt.MQTTv311,
-                client_class: type[mqtt.Client] = mqtt.Client, **kwargs) -> mqtt.Client:
-    """A paho 2.x client with the settings' credentials and TLS applied (never logged)."""
+                client_class: type[mqtt.Client] = mqtt.Client, role: str = "simulator",
+                **kwargs) -> mqtt.Client:
+    """A paho 2.x client with TLS and the credential of iotlake's client ``role`` applied
+    (``lakehouse.mqtt_auth.login``: the settings' user, or the role's own on the embedded
+    broker; never logged)."""
     c = client_class(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
                      **kwargs)
     m = settings.mqtt
-    if m.username:
-        c.username_pw_set(m.username, m.password or None)
+    credential = mqtt_auth.login(settings, role)
+    if credential is not None:
+        c.username_pw_set(*credential)
     if m.tls_ca or m.tls_cert:
         c.tls_set(ca_certs=m.tls_ca or None, certfile=m.tls_cert or None, keyfile=m.tls_key or None)
     return c

@@ -8,6 +8,7 @@ never silently falls back to a default.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -93,9 +94,19 @@ class MqttSettings(_Section):
     host: str = ""
     port: int = Field(0, ge=0, le=65535)
     embedded_port: int = Field(11883, ge=1, le=65535)
+    # The embedded broker's listen address: loopback by default; "0.0.0.0" (or an interface's
+    # address) lets real devices reach it, which needs authentication on (allow_anonymous false).
+    embedded_bind: str = "127.0.0.1"
+    # The embedded broker lets clients in without a user name (warned at start): only with this
+    # true. Off, each device has its own credential (`iotlake devices add`) and may publish only
+    # as itself (lakehouse.mqtt_auth).
+    allow_anonymous: bool = False
     topic_filter: str = "devices/+/telemetry"
     qos: int = Field(1, ge=0, le=2)
     client_id: str = "iotlake-bridge"
+    # What iotlake's own clients (bridge, simulator, alerts) log in with. Unset, on the embedded
+    # broker each logs in with a credential iotlake generated for its role (least privilege:
+    # lakehouse.mqtt_auth); set, the embedded broker lets this user read and write everything.
     username: str = ""
     password: str = Field("", repr=False)
     tls_ca: str = ""
@@ -104,6 +115,21 @@ class MqttSettings(_Section):
     # Bridge protocol: "5" (broker-side flow control via Receive Maximum, shared subscriptions)
     # or "3.1.1" (persistent session via clean_session=False; less per-message parsing).
     protocol: str = Field("5", pattern=r"^(5|3\.1\.1)$")
+
+    @field_validator("embedded_bind")
+    @classmethod
+    def _bind_address(cls, v: str) -> str:
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError("must be an IP address: 127.0.0.1 (this machine only), 0.0.0.0 (every "
+                             "interface) or one interface's address") from None
+        return v
+
+    @property
+    def embedded_open(self) -> bool:
+        """The embedded broker listens beyond loopback."""
+        return not ipaddress.ip_address(self.embedded_bind).is_loopback
 
 
 class BridgeSettings(_Section):
@@ -567,6 +593,16 @@ class Settings(_Section):
         ``mqtt.topic_filter`` is set explicitly."""
         if "topic_filter" not in self.mqtt.model_fields_set:
             self.mqtt.topic_filter = self.telemetry.topic_filter
+        return self
+
+    @model_validator(mode="after")
+    def _open_broker_needs_auth(self) -> Settings:
+        m = self.mqtt
+        if m.allow_anonymous and m.embedded_open:
+            raise ValueError(f"mqtt.embedded_bind = {m.embedded_bind!r} opens the embedded broker "
+                             "beyond this machine: that needs authentication. Set "
+                             "mqtt.allow_anonymous = false and give each device a credential "
+                             "(iotlake devices add DEVICE_ID), or bind 127.0.0.1")
         return self
 
     @property

@@ -112,6 +112,14 @@ ALERTS = pa.schema([*_ALERT_COLUMNS[:9], ("transition", pa.string()), ("changed_
 ALERTS_CURRENT = pa.schema([*_ALERT_COLUMNS, ("acknowledged", pa.bool_()),
                             ("silenced", pa.bool_()), ("updated_at", TS)])
 
+# The device registry (`iotlake devices`, lakehouse.device_registry): a row per provisioned
+# device, revoked ones kept (``revoked`` set), written by delta-rs.
+DEVICES = pa.schema([
+    ("device_id", pa.string()), ("site", pa.string()),
+    ("labels", pa.string()),  # JSON object of the device's labels
+    ("created", TS), ("revoked", TS),
+])
+
 #: Every table's schema but those that follow the telemetry model (``schemas``).
 _FIXED: dict[str, pa.Schema] = {
     "bronze": BRONZE,
@@ -127,13 +135,14 @@ _FIXED: dict[str, pa.Schema] = {
     "pipeline_metrics": PIPELINE_METRICS,
     "alerts": ALERTS,
     "alerts_current": ALERTS_CURRENT,
+    "devices": DEVICES,
 }
 
 #: Every table's name, in the order a record passes them.
 TABLES: tuple[str, ...] = (
     "bronze", "silver", "quarantine", "gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final",
     "gold_metrics_5m_final", "device_current", "device_status_history", "readings_scored",
-    "anomalies", "quality_log", "pipeline_metrics", "alerts", "alerts_current")
+    "anomalies", "quality_log", "pipeline_metrics", "alerts", "alerts_current", "devices")
 
 
 def schemas(model: TelemetryModel) -> dict[str, pa.Schema]:

@@ -100,6 +100,9 @@ class TelemetryModel(_Model):
     # Topic and payload name different devices: quarantine the reading (reason
     # ``device_mismatch``) or take the topic's (a broker ACL then decides who writes as whom).
     on_device_mismatch: Literal["quarantine", "trust_topic"] = "quarantine"
+    # A reading from a device not in the registry (the ``devices`` table, `iotlake devices add`)
+    # is quarantined with reason ``unknown_device``.
+    require_registered: bool = False
     # "" = the payload carries no id: silver derives one from the device and the raw payload,
     # so a redelivered message is still a duplicate.
     event_id_path: str = "event_id"

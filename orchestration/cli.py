@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "ingest.cli",
     "orchestration.cluster",
     "orchestration.alerts_cli",
+    "orchestration.devices_cli",
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lakehouse import jars, native_memory
+from lakehouse import jars, mqtt_auth, native_memory
 from lakehouse.jars import kafka_classpath
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
@@ -192,25 +193,54 @@ class Service:
         return self.proc is not None and self.proc.poll() is None
 
 
+def mosquitto_listeners(settings: Settings, port: int) -> str:
+    """``mqtt.embedded_bind``'s listener, and loopback's too when that is one other interface
+    (iotlake's own clients connect to 127.0.0.1)."""
+    bind = ipaddress.ip_address(settings.mqtt.embedded_bind)
+    extra = "" if bind.is_loopback or bind.is_unspecified else f"listener {port} 127.0.0.1\n"
+    return f"listener {port} {bind}\n{extra}"
+
+
 def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: str = "") -> Service:
+    """Mosquitto with its users and ACLs (``lakehouse.mqtt_auth``, rewritten from the device
+    store and the telemetry model at every start), unless ``extra_conf`` brings a password file
+    of its own."""
     port = port or settings.mqtt.embedded_port
     run = settings.run_dir / f"mosquitto-{port}"
     run.mkdir(parents=True, exist_ok=True)
     conf = run / "mosquitto.conf"
+    own_auth = "password_file" not in extra_conf
     # Persistent sessions + large queues: a stopped bridge must find its QoS-1 messages waiting.
     conf.write_text(
-        f"listener {port} 127.0.0.1\n"
-        + ("allow_anonymous true\n" if "password_file" not in extra_conf else "")
+        mosquitto_listeners(settings, port)
+        + (mqtt_auth.broker_conf(settings) if own_auth else "")
         + f"persistence true\npersistence_location {run}/\n"
         "max_queued_messages 0\nmax_inflight_messages 0\nmax_queued_bytes 0\n"
         "persistent_client_expiration 1d\nset_tcp_nodelay true\n"
-        "log_dest stdout\nlog_type error\nlog_type warning\nlog_type notice\n"
+        # information: "Reloading config." (mqtt_auth.reload waits for it); notice: refusals;
+        # stderr: unbuffered, each line in the log file when it happens
+        "log_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
         # as root, mosquitto would switch to the 'mosquitto' user and lose access to our data dir
         + ("user root\n" if os.geteuid() == 0 and "user " not in extra_conf else "")
         + extra_conf
     )
+
+    def prepare() -> None:
+        if not own_auth:
+            return
+        mqtt_auth.write_files(settings)
+        m = settings.mqtt
+        if m.allow_anonymous:
+            log.warning("mqtt.allow_anonymous = true: any client that reaches %s:%d can publish as "
+                        "any device", m.embedded_bind, port)
+        if not mqtt_auth.names_devices(settings):
+            log.warning("the devices' MQTT topics (%s) do not name the device: a device can publish "
+                        "as another; put {device_id} in telemetry.topic_pattern",
+                        settings.telemetry.topic_pattern if settings.subscribes_to_model
+                        else m.topic_filter)
+
     return Service("mosquitto", port, [mosquitto_binary(), "-c", str(conf)], run / "mosquitto.log",
-                   port_env="IOTLAKE_MQTT__EMBEDDED_PORT")
+                   port_env="IOTLAKE_MQTT__EMBEDDED_PORT", prepare=prepare)
 
 
 def java_binary() -> str:

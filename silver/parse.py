@@ -40,6 +40,8 @@ def parse_checks(model: TelemetryModel) -> tuple[tuple[str, str], ...]:
               ("missing_ts", model.event_time_path), ("bad_ts", model.event_time_path)]
     if model.device_id_path and model.device_level is not None:
         checks.append(("device_mismatch", model.device_id_path))
+    if model.require_registered:  # judged by silver's writer against the registry (silver.stream)
+        checks.append(("unknown_device", model.device_id_path or "device_id"))
     checks += [(f"wrong_type:{m.name}", m.source) for m in model.metrics]
     if model.schema_version_path:
         checks.append(("wrong_type:schema_version", model.schema_version_path))

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
@@ -37,6 +37,7 @@ from lakehouse import delta_tables, observers
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import spark_schema
+from lakehouse.device_registry import Registered
 from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.streams import (
@@ -218,6 +219,26 @@ def parse_quality_counts(n: int, counts: dict[str, int],
     return rows
 
 
+def registered_devices(registered: frozenset[str], sparkplug: bool) -> Column:
+    """True where the registry holds the row's device (a Sparkplug device by its edge node,
+    ``group/node``). The ids go into the plan as one SQL IN list (Spark makes it a hash set),
+    parsed in one call rather than a literal per id."""
+    if not registered:
+        return F.lit(False)
+    device = "substring_index(device_id, '/', 2)" if sparkplug else "device_id"
+    quoted = ", ".join("'" + i.replace("\\", "\\\\").replace("'", "\\'") + "'" for i in sorted(registered))
+    return F.coalesce(F.expr(f"{device} IN ({quoted})"), F.lit(False))
+
+
+def unknown_devices(df: DataFrame, known: Column) -> DataFrame:
+    """``unknown_device`` added to the reasons of rows not ``known``; a payload that is not
+    JSON keeps ``not_json`` alone."""
+    r = F.col("reasons")
+    return df.withColumn("reasons", F.when(known | (r == "not_json"), r)
+                         .when(r == "", F.lit("unknown_device"))
+                         .otherwise(F.concat(r, F.lit(",unknown_device"))))
+
+
 class SilverBatchWriter:
     """foreachBatch function: route, write exactly once, log quality counts."""
 
@@ -231,8 +252,15 @@ class SilverBatchWriter:
         self.last_counts: dict[str, int] = {}
         # delay 0: late copies are quarantined before the index is asked (silver/dedup.py)
         self.index = DedupIndex(checkpoint, delay_ms=0) if settings.stream.dedup == "index" else None
+        self.registry = Registered(settings) if settings.telemetry.require_registered else None
+        self._registered: tuple[frozenset[str], Column] | None = None
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
+        if self.registry is not None:  # before the raw payloads of quarantined rows are kept
+            ids = self.registry.current()
+            if self._registered is None or self._registered[0] is not ids:  # a new version
+                self._registered = ids, registered_devices(ids, self.settings.telemetry.sparkplug)
+            df = unknown_devices(df, self._registered[1])
         late_wm = late_watermark_ms(self.checkpoint, batch_id)
         now = datetime.now(UTC)
         added = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -47,6 +48,10 @@ if getattr(_main, "__spec__", None) is None and not hasattr(_main, "__file__"):
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 TEST_KAFKA_PORT = int(os.environ.get("IOTLAKE_TEST_KAFKA_PORT", "29092")) + 100 * _WORKER
 TEST_MQTT_PORT = int(os.environ.get("IOTLAKE_TEST_MQTT_PORT", "21883")) + 100 * _WORKER
+#: The tests' own MQTT clients log in as this user, which may read and write everything (the
+#: session broker, and every broker a test starts with the ``settings`` fixture's, gives it that:
+#: lakehouse.mqtt_auth); devices' credentials are tests/test_device_auth.py's.
+TEST_MQTT_LOGIN = {"username": "iotlake-tests", "password": secrets.token_urlsafe(16)}
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +68,7 @@ def services_settings(base_dir: Path) -> Settings:
         environ={},
         data_root=str(base_dir / "services"),
         kafka={"embedded_port": TEST_KAFKA_PORT},
-        mqtt={"embedded_port": TEST_MQTT_PORT},
+        mqtt={"embedded_port": TEST_MQTT_PORT, **TEST_MQTT_LOGIN},
     )
 
 
@@ -93,7 +98,7 @@ def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
             "partitions": 2,
         },
         mqtt={"host": "127.0.0.1", "port": TEST_MQTT_PORT, "client_id": f"iotlake-bridge-{n}",
-              "topic_filter": f"t{n}/devices/+/telemetry"},
+              "topic_filter": f"t{n}/devices/+/telemetry", **TEST_MQTT_LOGIN},
         stream={"trigger_seconds": 0.5},
         observability={"metrics_port": 0},
         spark={"master": "local[2]", "shuffle_partitions": 2},

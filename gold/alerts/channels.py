@@ -145,7 +145,7 @@ class MqttChannel:
         self.refused = ""
         self.v5 = settings.mqtt.protocol == "5"
         self.client = mqtt_client(settings, f"iotlake-alerts-{uuid.uuid4().hex[:12]}",
-                                  protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311)
+                                  protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311, role="alerts")
         self.client.reconnect_delay_set(1, 30)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
