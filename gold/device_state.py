@@ -8,10 +8,20 @@ column-wise ``Bucket`` holds every device and ``gold.health.score_readings`` sco
 one call; the four tables are written from the result.
 
 The same rules as the state-store mode: readings at or before the watermark of the previous
-batch are late and dropped; a device with no reading for ``offline_after_seconds`` goes offline
-once the watermark passes its deadline. Spark runs no batch without data for a query without a
-stateful operator, so the watermark a no-data batch would bring (the batch's own maximum event
-time less the delay) applies at the end of the batch that set it.
+batch are late and dropped; statuses change once held (``gold.health._hold``); a device with no
+reading for ``offline_after_seconds`` goes offline once the watermark passes its deadline. Spark
+runs no batch without data for a query without a stateful operator, so the watermark a no-data
+batch would bring (the batch's own maximum event time less the delay) applies at the end of the
+batch that set it.
+
+Live (``trigger="live"``), a device also goes offline by the wall clock: when the pipeline
+received nothing from it (silver's ``ingest_time``) for ``offline_after_seconds`` as of the
+batch's clock (``batchTimestampMs`` in the offsets log: a replay sees the same). A batch that
+read silver rows judges as of the newest row's ``ingest_time`` instead, when earlier: a stream
+catching up (after a restart, or behind) has not read what its devices sent since, and takes no
+device offline for it. The ticks (``gold/ticks.py``) run a batch when no data comes. A backfill
+or reprocess (``available_now``) keeps the event-time rule alone. A checkpoint from before the
+ticks (one source: Spark cannot add one) runs without them, with a warning.
 
 Durability mirrors a state store changelog: before the batch's tables commit, the devices it
 changed are written to ``<checkpoint>/device_state/<batch>.changes.arrow``, or the whole state to
@@ -32,6 +42,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 from gold.anomaly import MODELS, DetectorConfig, state_fields
 from gold.health import (
@@ -43,11 +54,14 @@ from gold.health import (
     bucket_of,
     devices_table,
     health_input,
+    next_due,
     node_death,
     out_schema,
     score_readings,
     time_out,
+    time_out_received,
 )
+from gold.ticks import TickTimer, batch_time_ms
 from lakehouse import delta_txn
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
@@ -73,9 +87,10 @@ def state_files(directory: Path) -> list[tuple[int, str, Path]]:
 class DeviceStateStore:
     """Every device's state by batch: in memory, and as a changelog with snapshots on disk."""
 
-    def __init__(self, checkpoint: str, metrics: tuple[str, ...], cfg: DetectorConfig) -> None:
+    def __init__(self, checkpoint: str, metrics: tuple[str, ...], cfg: DetectorConfig,
+                 topics: tuple[str, ...] = ()) -> None:
         self.dir = Path(checkpoint, "device_state")
-        self.metrics, self.cfg = metrics, cfg
+        self.metrics, self.cfg, self.topics = metrics, cfg, topics
         self.state_len = len(state_fields(cfg))
         self.devices: Bucket | None = None
         self.next_batch: int | None = None  # None: to be rebuilt from disk
@@ -99,7 +114,8 @@ class DeviceStateStore:
         if len(changed) or snapshot:
             kind = "snapshot" if snapshot else "changes"
             self._write(f"{batch_id}.{kind}.arrow",
-                        devices_table(self.devices, self.metrics, None if snapshot else changed))
+                        devices_table(self.devices, self.metrics, None if snapshot else changed,
+                                      self.topics))
         if snapshot:
             # a replay of this batch starts from the snapshot before it: older files go
             for b, _, f in state_files(self.dir):
@@ -136,9 +152,9 @@ class DeviceStateStore:
             ids = t.column("device_id").to_numpy(zero_copy_only=False)
             _, first_of_reversed = np.unique(ids[::-1], return_index=True)
             t = t.take(np.sort(len(ids) - 1 - first_of_reversed))
-            self.devices = bucket_of(t, self.state_len, self.metrics, self.cfg)
+            self.devices = bucket_of(t, self.state_len, self.metrics, self.cfg, self.topics)
         else:
-            self.devices = Bucket.empty(self.state_len, len(self.metrics))
+            self.devices = Bucket.empty(self.state_len, len(self.metrics), len(self.topics))
         log.info("device state: %d devices at batch %s", len(self.devices.ids), batch_id)
 
 
@@ -176,21 +192,27 @@ class CurrentTable:
         self.rows, self.version = (rows, version) if version is not None else (None, None)
 
 
-def driver_frame(silver: DataFrame, settings: Settings) -> DataFrame:
+def driver_frame(silver: DataFrame, settings: Settings, ticks: DataFrame | None = None) -> DataFrame:
     """The health stream's input as the driver mode reads it, with Spark's event-time watermark
-    (kept in the checkpoint's offsets log, which every run of a batch reads alike)."""
+    (kept in the checkpoint's offsets log, which every run of a batch reads alike), and the
+    ticks' rows (every column null) after silver's: silver stays the first source, which
+    progress and the backfill's offsets read."""
     model = settings.telemetry
     df = silver.select(*health_input(model))
     if model.sparkplug:  # a node's death (NDEATH) takes its devices offline
         df = df.withColumn("node_death", node_death()).drop("extra")
-    return df.withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
+    df = df.withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
+    if ticks is None:
+        return df
+    return df.unionByName(ticks.select(*[F.lit(None).cast(f.dataType).alias(f.name) for f in df.schema]))
 
 
 class DriverHealthBatch:
     """foreachBatch: score the batch on the driver, then write the four gold tables."""
 
     def __init__(self, settings: Settings, checkpoint: str, app_id: str,
-                 current_columns: list[str] | None = None) -> None:
+                 current_columns: list[str] | None = None, wall_clock: bool = False,
+                 ticks: bool = False) -> None:
         gold, model = settings.gold, settings.telemetry
         self.gold, self.checkpoint, self.app_id = gold, checkpoint, app_id
         self.cfg = DetectorConfig(threshold=gold.anomaly_threshold)
@@ -198,8 +220,15 @@ class DriverHealthBatch:
         self.metrics = self.rules.metrics
         self.timeout_ms = gold.offline_after_seconds * 1000
         self.delay_ms = settings.stream.watermark_seconds * 1000
-        self.out_types = dict(c.split() for c in out_schema(self.metrics).split(", "))
-        self.store = DeviceStateStore(checkpoint, self.metrics, self.cfg)
+        self.out_types = dict(c.split() for c in out_schema(self.metrics, self.rules.topics).split(", "))
+        self.store = DeviceStateStore(checkpoint, self.metrics, self.cfg, self.rules.topics)
+        self.wall_clock = wall_clock
+        # a deadline already past is ticked one trigger on: a batch in between re-arms the timer
+        trigger_s = settings.stream.gold_trigger_seconds
+        trigger_s = settings.stream.trigger_seconds if trigger_s < 0 else trigger_s
+        self.timer = TickTimer(checkpoint, max(trigger_s, 0.1)) if wall_clock and ticks else None
+        if self.timer is not None and state_files(self.store.dir):
+            self.timer.set(0)  # a start ticks once: that batch arms the timer from the state
         self.paths = {t: settings.table_path(t) for t in TABLES}
         # device_current's columns: the model's, and those of metrics removed from it since
         known = {f.name: f.type for f in device_current_schema(model)}
@@ -213,10 +242,11 @@ class DriverHealthBatch:
         rows = df.toArrow()
         devs = self.store.begin(batch_id)
         t_us = pc.cast(rows.column("event_time"), pa.int64())
-        on_time = pc.fill_null(pc.greater(t_us, late_wm * 1000), False)
+        on_time = pc.fill_null(pc.greater(t_us, late_wm * 1000), False)  # a tick's: null, dropped
         batch = rows.filter(on_time)
-        batch = batch.set_column(batch.schema.get_field_index("event_time"), "event_time",
-                                 pc.cast(batch.column("event_time"), pa.timestamp("ns")))
+        for c in ("event_time", "ingest_time"):
+            batch = batch.set_column(batch.schema.get_field_index(c), c,
+                                     pc.cast(batch.column(c), pa.timestamp("ns")))
         out = Rows(self.out_types)
         touched = np.zeros(0, dtype=np.int64)
         if batch.num_rows:
@@ -227,12 +257,21 @@ class DriverHealthBatch:
             wm = max(wm, latest // 1000 - self.delay_ms)
         timed_out = time_out(devs, np.ones(len(devs.ids), dtype=bool), wm, self.timeout_ms, out)
         changed = np.union1d(touched, timed_out)
-        add_current(devs, changed, out, self.metrics)
+        ticks = rows.column("device_id").null_count  # silver's rows all have a device
+        if self.wall_clock:
+            now = batch_time_ms(self.checkpoint, batch_id)
+            received = pc.max(rows.column("ingest_time")).value  # newest silver row read, us
+            if received is not None:
+                now = min(now, received // 1000)
+            changed = np.union1d(changed, time_out_received(devs, now, self.timeout_ms, out))
+        add_current(devs, changed, out, self.rules)
         self.store.save(batch_id, changed)  # durable before anything of the batch commits
         if out.parts:
             self.write(df.sparkSession, out, batch_id)
+        if self.timer is not None:
+            self.timer.set(next_due(devs, self.timeout_ms))
         note_batch(self.app_id, batch_id, state_rows=len(devs.ids),
-                   rows_dropped_by_watermark=rows.num_rows - batch.num_rows)
+                   rows_dropped_by_watermark=rows.num_rows - ticks - batch.num_rows)
 
     def write(self, spark: SparkSession, out: Rows, batch_id: int) -> None:
         """The four tables from the batch's output rows (built here in Arrow: no Spark job

@@ -1,16 +1,25 @@
 """Gold device health: per-device anomaly scores and online / degraded / offline status.
 
-One stream whose state (each device's status and detectors) survives restarts in its
+One stream whose state (each device's status, hold and detectors) survives restarts in its
 checkpoint: held by the driver with ``gold.health_state = "driver"`` (the default:
 ``gold/device_state.py``), or with ``"state_store"`` in Spark's arbitrary-state operator
 (``applyInPandasWithState``, RocksDB), described here. Both score and judge alike:
 
 - each reading of each metric is scored by the streaming detector in ``gold/anomaly.py``,
   whose state (one per device and metric) lives in the device's state;
-- status per reading: ``degraded`` when a status rule of the telemetry model fires, the
+- a reading's status: ``degraded`` when a status rule of the telemetry model fires, the
   device reports its error status, or a metric's anomaly score is high; else ``online``;
+- the device's status follows its readings' once held (``_hold``): a change between online
+  and degraded takes effect at the reading where the new status has held for
+  ``gold.status_hold_readings`` consecutive readings and ``gold.status_hold_seconds`` of event
+  time since the first of them (one error report or one breach changes nothing); a death
+  certificate takes it offline, and the first reading after offline (or ever) sets it, at once;
 - an event-time timeout fires ``offline_after_seconds`` after the device's last reading once
-  the watermark (driven by *other* devices' data) passes it: the device goes ``offline``.
+  the watermark (driven by *other* devices' data) passes it: the device goes ``offline``. This
+  rule is what replays and backfills use; the driver mode adds a wall-clock rule for live runs
+  (a device the pipeline received nothing from for that long goes offline even when no data
+  arrives at all, ``gold/ticks.py``). The state store keeps the event-time rule only: its
+  buckets run where Spark puts them, on data or a watermark's timeout.
 
 In the state store, state is keyed by a hash bucket of ``device_id`` (``STATE_BUCKETS``), each
 holding the states of its devices: Spark's fixed cost per group in the Python worker (Arrow to
@@ -25,13 +34,14 @@ Changing ``STATE_BUCKETS`` needs a new checkpoint; the gold metrics may change b
 
 Input: silver through Delta's streaming source. Outputs, written by delta-spark exactly once per
 micro-batch (Delta app transaction: query id, batch id): ``readings_scored`` (every scored
-reading), ``anomalies`` (flagged ones), ``device_status_history`` (every change) and
-``device_current`` (MERGE by device).
+reading), ``anomalies`` (flagged ones), ``device_status_history`` (every change, at the reading
+or deadline it took effect with that reading's reasons) and ``device_current`` (MERGE by device).
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -49,6 +59,7 @@ from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from gold.anomaly import (
     MODELS,
     DetectorConfig,
+    _njit_cached,
     initial_rows,
     score_lanes_at,
     state_fields,
@@ -66,6 +77,7 @@ from lakehouse.tables import (
 )
 from lakehouse.telemetry import TelemetryModel
 
+log = logging.getLogger(__name__)
 QUERY = "gold_health"
 #: What the stream writes, in either mode.
 TABLES = ("readings_scored", "anomalies", "device_status_history", "device_current")
@@ -78,19 +90,23 @@ STATE_BUCKETS = 64
 # One row per reading (kind "reading", its metrics side by side: a third of the rows of one row
 # per metric, which the JVM and both Arrow conversions pay per row), per status change
 # ("status") and per device seen ("current"); HealthBatch unpivots readings per metric.
-def out_schema(metrics: tuple[str, ...]) -> str:
+def out_schema(metrics: tuple[str, ...], topics: tuple[str, ...] = ()) -> str:
     return ", ".join([
         "kind string, device_id string, event_id string, event_time timestamp",
         *(f"{m} double, {m}_score double, {m}_baseline double, {m}_anomaly boolean, "
           f"{m}_model double, {m}_low double, {m}_high double" for m in metrics),
         "status string, previous_status string, reason string, status_since timestamp, "
-        "last_seen timestamp, anomaly_score double",
+        "last_seen timestamp, anomaly_score double, last_received timestamp, status_reason string",
+        *(f"{c} string" for c in topics),
     ])
 
 
 _NAT = np.iinfo(np.int64).min  # timestamps are carried as int64 ns, NaT = null
 #: The status a reading reports when its device is gone (silver's rows for Sparkplug deaths)
 REPORTED_OFFLINE = "offline"
+#: Statuses by code, as the hold kernel takes them; code -1 (none yet) indexes the last: None
+STATUSES = np.array(["online", "degraded", "offline", None], dtype=object)
+_OFFLINE = 2
 
 # A bucket's state: one row per device, as an LZ4-compressed Arrow IPC stream in base64 text.
 # Text, not binary: pyspark hands a binary state to Python through the JVM's pickler, which
@@ -100,7 +116,9 @@ REPORTED_OFFLINE = "offline"
 STATE_SCHEMA = "devices string"
 
 
-def device_state_schema(metrics: tuple[str, ...]) -> pa.Schema:
+def device_state_schema(metrics: tuple[str, ...], topics: tuple[str, ...] = ()) -> pa.Schema:
+    """A device's state as a row. Columns added since (``last_received`` on) load as nulls from
+    an older state: unknown, then set by the device's next reading."""
     return pa.schema([
         ("device_id", pa.string()), ("status", pa.string()),
         ("status_since", pa.int64()), ("last_seen", pa.int64()), ("timeout_at", pa.int64()),  # ms
@@ -108,6 +126,10 @@ def device_state_schema(metrics: tuple[str, ...]) -> pa.Schema:
         # detector states as packed float64 bytes: pyspark 4.3 workers cannot parse array<double>
         # inside an applyInPandasWithState state schema
         *[(f"det_{m}", pa.binary()) for m in metrics],
+        ("last_received", pa.int64()), ("status_reason", pa.string()),
+        # the hold: the status the readings show if not the device's, for how many readings, since
+        ("pending_status", pa.string()), ("pending_count", pa.int64()), ("pending_since", pa.int64()),
+        *[(f"topic.{c}", pa.string()) for c in topics],  # a dot: no metric's or column's name
     ])
 
 
@@ -128,15 +150,22 @@ class Bucket:
     anomaly_score: np.ndarray  # float64, NaN = none yet
     dets: np.ndarray  # [metrics, devices, state_len] detector states (DetectorState.to_row())
     det_set: np.ndarray  # [metrics, devices] bool: a detector state exists
+    last_received: np.ndarray  # int64: silver's ingest_time of its latest reading, _NONE = unknown
+    reason: np.ndarray  # object: the current status's reason
+    pending: np.ndarray  # int64 status code the readings hold to (-1: none)
+    pending_n: np.ndarray  # int64: consecutive readings of it
+    pending_since: np.ndarray  # int64: event time of the first of them
+    topics: np.ndarray  # [devices, topic columns] object: latest value
 
     @classmethod
-    def empty(cls, state_len: int, k: int) -> Bucket:
+    def empty(cls, state_len: int, k: int, n_topics: int = 0) -> Bucket:
         def z() -> np.ndarray:
             return np.zeros(0, dtype=np.int64)
 
         return cls(np.zeros(0, dtype=object), np.zeros(0, dtype=object), z(), z(), z(),
                    np.zeros((0, k)), np.zeros(0), np.zeros((k, 0, state_len)),
-                   np.zeros((k, 0), dtype=bool))
+                   np.zeros((k, 0), dtype=bool), z(), np.zeros(0, dtype=object), z(), z(), z(),
+                   np.zeros((0, n_topics), dtype=object))
 
     def states(self) -> np.ndarray:
         """``dets`` as one [metrics * devices, state_len] matrix sharing its memory (made
@@ -162,6 +191,12 @@ class Bucket:
             self.anomaly_score = np.concatenate([self.anomaly_score, np.full(k, np.nan)])
             self.dets = np.concatenate([self.dets, np.zeros((n_metrics, k, self.dets.shape[2]))], axis=1)
             self.det_set = np.concatenate([self.det_set, np.zeros((n_metrics, k), dtype=bool)], axis=1)
+            self.last_received = np.concatenate([self.last_received, none])
+            self.reason = np.concatenate([self.reason, np.full(k, None, dtype=object)])
+            self.pending = np.concatenate([self.pending, np.full(k, -1, dtype=np.int64)])
+            self.pending_n = np.concatenate([self.pending_n, np.zeros(k, dtype=np.int64)])
+            self.pending_since = np.concatenate([self.pending_since, none])
+            self.topics = np.concatenate([self.topics, np.full((k, self.topics.shape[1]), None, dtype=object)])
         return pos
 
 
@@ -186,14 +221,16 @@ def _packed(rows: np.ndarray, present: np.ndarray) -> pa.Array:
 
 
 def load_devices(blob: str, state_len: int, metrics: tuple[str, ...],
-                 cfg: DetectorConfig | None = None) -> Bucket:
+                 cfg: DetectorConfig | None = None, topics: tuple[str, ...] = ()) -> Bucket:
     """A bucket's state (Arrow IPC: typed and compact, unlike a pickle of Python objects)."""
-    return bucket_of(pa.ipc.open_stream(base64.b64decode(blob)).read_all(), state_len, metrics, cfg)
+    return bucket_of(pa.ipc.open_stream(base64.b64decode(blob)).read_all(), state_len, metrics, cfg,
+                     topics)
 
 
 def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...],
-              cfg: DetectorConfig | None = None) -> Bucket:
-    """Devices from their rows (``device_state_schema``, perhaps of other metrics)."""
+              cfg: DetectorConfig | None = None, topics: tuple[str, ...] = ()) -> Bucket:
+    """Devices from their rows (``device_state_schema``, perhaps of other metrics or topic
+    columns, or of a version without the later columns)."""
     n, k = t.num_rows, len(metrics)
     dets, det_set = np.zeros((k, n, state_len)), np.zeros((k, n), dtype=bool)
     values = np.full((n, k), np.nan)
@@ -209,28 +246,44 @@ def bucket_of(t: pa.Table, state_len: int, metrics: tuple[str, ...],
             # a state written by an older detector version continues (no re-warm-up)
             dets[i, det_set[i]] = rows if rows.shape[1] == state_len else upgrade_rows(rows, cfg)
 
-    def ints(name: str) -> np.ndarray:
-        return t.column(name).fill_null(_NONE).to_numpy().copy()  # writable
+    def ints(name: str, default: int = _NONE) -> np.ndarray:
+        if name not in t.column_names:
+            return np.full(n, default, dtype=np.int64)
+        return t.column(name).fill_null(default).to_numpy().copy()  # writable
 
+    def strings(name: str) -> np.ndarray:
+        if name not in t.column_names:
+            return np.full(n, None, dtype=object)
+        return t.column(name).to_numpy(zero_copy_only=False).astype(object)
+
+    pending = strings("pending_status")
     return Bucket(
-        t.column("device_id").to_numpy(zero_copy_only=False),
-        t.column("status").to_numpy(zero_copy_only=False).astype(object),
+        t.column("device_id").to_numpy(zero_copy_only=False), strings("status"),
         ints("status_since"), ints("last_seen"), ints("timeout_at"),
         values,
         t.column("anomaly_score").to_numpy(zero_copy_only=False).astype(np.float64),
-        dets, det_set)
+        dets, det_set, ints("last_received"), strings("status_reason"), status_codes(pending),
+        ints("pending_count", 0), ints("pending_since"),
+        np.stack([strings(f"topic.{c}") for c in topics], axis=1) if topics
+        else np.zeros((n, 0), dtype=object))
 
 
-def dump_devices(b: Bucket, metrics: tuple[str, ...]) -> str:
+def status_codes(status: np.ndarray) -> np.ndarray:
+    """Status names (object array) as ``STATUSES`` codes, -1 for none."""
+    return np.select([status == "online", status == "degraded", status == "offline"], [0, 1, 2], -1)
+
+
+def dump_devices(b: Bucket, metrics: tuple[str, ...], topics: tuple[str, ...] = ()) -> str:
     """Inverse of :func:`load_devices`."""
-    table = devices_table(b, metrics)
+    table = devices_table(b, metrics, topics=topics)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as w:
         w.write_table(table)
     return base64.b64encode(sink.getvalue()).decode("ascii")
 
 
-def devices_table(b: Bucket, metrics: tuple[str, ...], rows: np.ndarray | None = None) -> pa.Table:
+def devices_table(b: Bucket, metrics: tuple[str, ...], rows: np.ndarray | None = None,
+                  topics: tuple[str, ...] = ()) -> pa.Table:
     """The devices at positions ``rows`` (all by default) as rows of ``device_state_schema``."""
     def at(a: np.ndarray) -> np.ndarray:
         return a if rows is None else a[rows]
@@ -241,7 +294,11 @@ def devices_table(b: Bucket, metrics: tuple[str, ...], rows: np.ndarray | None =
         _ints(at(b.status_since)), _ints(at(b.last_seen)), _ints(at(b.timeout_at)),
         *[_floats(at(b.values[:, i])) for i in range(k)], _floats(at(b.anomaly_score)),
         *[_packed(at(b.dets[i]), at(b.det_set[i])) for i in range(k)],
-    ], schema=device_state_schema(metrics))
+        _ints(at(b.last_received)), pa.array(at(b.reason), pa.string()),
+        pa.array(STATUSES[at(b.pending)], pa.string()), pa.array(at(b.pending_n), pa.int64()),
+        _ints(at(b.pending_since)),
+        *[pa.array(at(b.topics[:, j]), pa.string()) for j in range(len(topics))],
+    ], schema=device_state_schema(metrics, topics))
 
 
 class Rows:
@@ -295,6 +352,7 @@ class Rules:
     above: np.ndarray
     names: tuple[str, ...]  # rule reasons, then "error", "anomaly"
     error_status: str
+    topics: tuple[str, ...]  # the topic columns a device's state keeps the latest of
 
     @classmethod
     def of(cls, model: TelemetryModel) -> Rules:
@@ -303,7 +361,8 @@ class Rules:
         return cls(metrics, np.array([metrics.index(x.metric) for x in r], dtype=np.int64),
                    np.array([np.nan if x.below is None else x.below for x in r], dtype=float),
                    np.array([np.nan if x.above is None else x.above for x in r], dtype=float),
-                   (*(x.reason for x in r), "error", "anomaly"), model.error_status)
+                   (*(x.reason for x in r), "error", "anomaly"), model.error_status,
+                   model.topic_columns)
 
     def reasons(self, fired: np.ndarray) -> np.ndarray:
         """Comma-joined reasons per column of ``fired`` ([rules + 2, n] bool); "data" if none."""
@@ -319,12 +378,12 @@ def health_fn(gold: GoldSettings, model: TelemetryModel):
     state_len = len(state_fields(cfg))
     timeout_ms = gold.offline_after_seconds * 1000
     rules = Rules.of(model)
-    metrics = rules.metrics
-    out_types = dict(c.split() for c in out_schema(metrics).split(", "))
+    metrics, topics = rules.metrics, rules.topics
+    out_types = dict(c.split() for c in out_schema(metrics, topics).split(", "))
 
     def fn(key: tuple, pdfs: Iterator[pd.DataFrame], state: GroupState) -> Iterator[pd.DataFrame]:
-        devs = (load_devices(state.get[0], state_len, metrics, cfg) if state.exists
-                else Bucket.empty(state_len, len(metrics)))
+        devs = (load_devices(state.get[0], state_len, metrics, cfg, topics) if state.exists
+                else Bucket.empty(state_len, len(metrics), len(topics)))
         out = Rows(out_types)
         touched = np.zeros(0, dtype=np.int64)
         if not state.hasTimedOut:
@@ -336,8 +395,8 @@ def health_fn(gold: GoldSettings, model: TelemetryModel):
         quiet = np.ones(len(devs.ids), dtype=bool)
         quiet[touched] = False
         timed_out = time_out(devs, quiet, wm, timeout_ms, out)
-        add_current(devs, np.concatenate([touched, timed_out]), out, metrics)
-        state.update((dump_devices(devs, metrics),))
+        add_current(devs, np.concatenate([touched, timed_out]), out, rules)
+        state.update((dump_devices(devs, metrics, topics),))
         pending = devs.timeout_at[devs.timeout_at != _NONE]
         if pending.size:
             # Spark takes no timeout at or below the watermark: a device whose deadline already
@@ -349,25 +408,53 @@ def health_fn(gold: GoldSettings, model: TelemetryModel):
     return fn
 
 
+def go_offline(devs: Bucket, went: np.ndarray, when_ms: np.ndarray | int, reason: str, out: Rows) -> None:
+    """Take the devices at positions ``went`` offline as of ``when_ms``, for ``reason``: at once,
+    whatever status their readings were holding to."""
+    out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
+            previous_status=devs.status[went], reason=reason, event_time=when_ms * 1_000_000)
+    devs.status[went], devs.status_since[went], devs.reason[went] = "offline", when_ms, reason
+    devs.timeout_at[went], devs.pending[went], devs.pending_n[went] = _NONE, -1, 0
+
+
 def time_out(devs: Bucket, candidates: np.ndarray, wm: int, timeout_ms: int, out: Rows) -> np.ndarray:
     """Take the ``candidates`` (bool per device) whose deadline is below the watermark ``wm``
     offline as of last reading + timeout (no reading for that long); returns their positions."""
     timed_out = np.flatnonzero(candidates & (devs.timeout_at != _NONE) & (devs.timeout_at < wm))
     devs.timeout_at[timed_out] = _NONE
     went = timed_out[devs.status[timed_out] != "offline"]
-    when = devs.last_seen[went] + timeout_ms
-    out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
-            previous_status=devs.status[went], reason="no_data", event_time=when * 1_000_000)
-    devs.status[went], devs.status_since[went] = "offline", when
+    go_offline(devs, went, devs.last_seen[went] + timeout_ms, "no_data", out)
     return timed_out
 
 
-def add_current(devs: Bucket, cur: np.ndarray, out: Rows, metrics: tuple[str, ...]) -> None:
+def _live(devs: Bucket) -> np.ndarray:
+    """Per device: online or degraded, and received at a known time (the wall-clock rule's)."""
+    return (((devs.status == "online") | (devs.status == "degraded"))
+            & (devs.last_received != _NONE))
+
+
+def time_out_received(devs: Bucket, now_ms: int, timeout_ms: int, out: Rows) -> np.ndarray:
+    """The wall-clock rule: take the devices the pipeline received nothing from for
+    ``timeout_ms`` as of ``now_ms`` offline, as of last received + timeout; returns their positions."""
+    due = devs.last_received + timeout_ms
+    went = np.flatnonzero(_live(devs) & (due <= now_ms))
+    go_offline(devs, went, due[went], "no_data", out)
+    return went
+
+
+def next_due(devs: Bucket, timeout_ms: int) -> int | None:
+    """When the wall-clock rule takes its next device offline (epoch ms; None: no device to)."""
+    live = _live(devs)
+    return int(devs.last_received[live].min()) + timeout_ms if live.any() else None
+
+
+def add_current(devs: Bucket, cur: np.ndarray, out: Rows, rules: Rules) -> None:
     """A ``current`` row (``device_current``) for each device at positions ``cur``."""
     out.add(len(cur), kind="current", device_id=devs.ids[cur], status=devs.status[cur],
             status_since=_ns(devs.status_since[cur]), last_seen=_ns(devs.last_seen[cur]),
-            **{m: devs.values[cur, i] for i, m in enumerate(metrics)},
-            anomaly_score=devs.anomaly_score[cur])
+            **{m: devs.values[cur, i] for i, m in enumerate(rules.metrics)},
+            anomaly_score=devs.anomaly_score[cur], last_received=_ns(devs.last_received[cur]),
+            status_reason=devs.reason[cur], **{c: devs.topics[cur, j] for j, c in enumerate(rules.topics)})
 
 
 def _ns(ms: np.ndarray) -> np.ndarray:
@@ -439,28 +526,80 @@ def score_readings(pdf: pd.DataFrame, devs: Bucket, out: Rows, cfg: DetectorConf
     fired = np.vstack([fired, err, anom])
     # a death certificate (Sparkplug DDEATH / NDEATH, reported as status "offline"): offline now
     dead = pdf["status"].to_numpy(dtype=object)[order] == REPORTED_OFFLINE
-    new = np.where(dead, "offline", np.where(fired.any(axis=0), "degraded", "online")).astype(object)
-    prev_status = np.empty(n, dtype=object)
-    prev_status[1:] = new[:-1]
-    prev_status[starts] = devs.status[pos]
-    is_change = new != prev_status
+    shown = np.where(dead, _OFFLINE, fired.any(axis=0).astype(np.int64))  # each reading's status
+    before = status_codes(devs.status[pos])
+    status, pend, pend_n, pend_since = (before.copy(), devs.pending[pos], devs.pending_n[pos],
+                                        devs.pending_since[pos])
+    eff, is_change = _hold(shown, ms, starts, status, pend, pend_n, pend_since,
+                           gold.status_hold_readings, round(gold.status_hold_seconds * 1000))
+    prev = np.empty(n, dtype=np.int64)
+    prev[1:] = eff[:-1]
+    prev[starts] = before
     changed = np.flatnonzero(is_change)
-    reasons = np.where(dead[changed], "death", rules.reasons(fired[:, changed]))
-    out.add(len(changed), kind="status", device_id=dev_col[changed], status=new[changed],
-            previous_status=prev_status[changed], reason=reasons, event_time=t_ns[changed])
+
+    def why(i: np.ndarray) -> np.ndarray:
+        return np.where(dead[i], "death", rules.reasons(fired[:, i]))
+
+    out.add(len(changed), kind="status", device_id=dev_col[changed], status=STATUSES[eff[changed]],
+            previous_status=STATUSES[prev[changed]], reason=why(changed), event_time=t_ns[changed])
 
     last = ends - 1
     last_change = np.maximum.reduceat(np.where(is_change, np.arange(n), -1), starts)
-    devs.status[pos] = new[last]
+    devs.status[pos] = STATUSES[status]
+    devs.pending[pos], devs.pending_n[pos], devs.pending_since[pos] = pend, pend_n, pend_since
     devs.status_since[pos] = np.where(last_change >= 0, ms[last_change], devs.status_since[pos])
+    # the status's reason: that of its latest reading showing it (a change's reading shows it)
+    agrees = np.maximum.reduceat(np.where(eff == shown, np.arange(n), -1), starts)
+    has = agrees >= 0
+    devs.reason[pos[has]] = why(agrees[has])
     devs.last_seen[pos] = np.maximum(ms[last], np.where(devs.last_seen[pos] == _NONE, 0,
                                                         devs.last_seen[pos]))
+    received = pdf["ingest_time"].to_numpy(dtype="datetime64[ns]").view(np.int64)[order]
+    received = np.where(received == _NAT, _NONE, received // 1_000_000)
+    devs.last_received[pos] = np.maximum(devs.last_received[pos], np.maximum.reduceat(received, starts))
+    for j, c in enumerate(rules.topics):  # the latest reading's topic parts (the last known)
+        v = pdf[c].to_numpy(dtype=object)[order][last]
+        devs.topics[pos, j] = np.where(pd.isna(v), devs.topics[pos, j], v)
     devs.values[pos] = vals[:, last].T
     devs.anomaly_score[pos] = max_score[last]
     devs.timeout_at[pos] = np.where(dead[last], _NONE, devs.last_seen[pos] + timeout_ms)
     if "node_death" in pdf.columns:
         return np.union1d(pos, node_deaths(pdf, devs, out))
     return pos
+
+
+@_njit_cached
+def _hold(shown, t_ms, starts, status, pend, pend_n, pend_since, hold_n, hold_ms):
+    """The devices' statuses through their readings (``starts``: each device's first, in
+    event-time order), each ``STATUSES`` code: ``shown`` per reading; ``status``, ``pend`` (the
+    status the readings hold to, -1: none), ``pend_n`` (readings of it) and ``pend_since`` (the
+    first one's time) per device, updated in place. A change between online and degraded takes
+    effect at the reading that completes its hold (``hold_n`` consecutive readings and
+    ``hold_ms`` since the first); offline, and any status after offline or none, at once.
+    Returns each reading's status after it and whether it changed there."""
+    n = shown.size
+    eff = np.empty(n, np.int64)
+    change = np.zeros(n, np.bool_)
+    for d in range(starts.size):
+        end = starts[d + 1] if d + 1 < starts.size else n
+        e, p, c, since = status[d], pend[d], pend_n[d], pend_since[d]
+        for i in range(starts[d], end):
+            r = shown[i]
+            if r == e:
+                p, c = -1, 0
+            elif e < 0 or e == 2 or r == 2:
+                e, p, c = r, -1, 0
+                change[i] = True
+            else:
+                if r != p:
+                    p, c, since = r, 0, t_ms[i]
+                c += 1
+                if c >= hold_n and t_ms[i] - since >= hold_ms:
+                    e, p, c = r, -1, 0
+                    change[i] = True
+            eff[i] = e
+        status[d], pend[d], pend_n[d], pend_since[d] = e, p, c, since
+    return eff, change
 
 
 def node_deaths(pdf: pd.DataFrame, devs: Bucket, out: Rows) -> np.ndarray:
@@ -475,17 +614,16 @@ def node_deaths(pdf: pd.DataFrame, devs: Bucket, out: Rows) -> np.ndarray:
         hit = np.array([d.startswith(prefix) for d in devs.ids], dtype=bool) \
             & (devs.status != "offline") & ((devs.last_seen == _NONE) | (devs.last_seen <= when))
         went = np.flatnonzero(hit)
-        out.add(len(went), kind="status", device_id=devs.ids[went], status="offline",
-                previous_status=devs.status[went], reason="node_death", event_time=when * 1_000_000)
-        devs.status[went], devs.status_since[went], devs.timeout_at[went] = "offline", when, _NONE
+        go_offline(devs, went, when, "node_death", out)
         gone.append(went)
     return np.unique(np.concatenate(gone))
 
 
 def health_input(model: TelemetryModel) -> list[str]:
-    """The silver columns the health stream reads (``extra``: Sparkplug's node and message type)."""
-    return ["device_id", "event_id", "event_time", *model.gold_metrics, "status",
-            *(["extra"] if model.sparkplug else [])]
+    """The silver columns the health stream reads (``extra``: Sparkplug's node and message type;
+    ``ingest_time``: when the pipeline received the reading, the wall-clock rule's)."""
+    return ["device_id", "event_id", "event_time", *model.gold_metrics, "status", "ingest_time",
+            *model.topic_columns, *(["extra"] if model.sparkplug else [])]
 
 
 def node_death() -> Column:
@@ -510,7 +648,8 @@ def health_frame(silver: DataFrame, settings: Settings) -> DataFrame:
         .withWatermark("event_time", f"{settings.stream.watermark_seconds} seconds")
         .withColumn("bucket", F.pmod(F.xxhash64(key), F.lit(STATE_BUCKETS)))
         .groupBy("bucket")
-        .applyInPandasWithState(health_fn(settings.gold, model), out_schema(model.gold_metrics),
+        .applyInPandasWithState(health_fn(settings.gold, model),
+                                out_schema(model.gold_metrics, model.topic_columns),
                                 STATE_SCHEMA, "append",
                                 GroupStateTimeout.EventTimeTimeout)
     )
@@ -604,9 +743,18 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live") -> Str
     app_id = query_id(ckpt)
     if mode == "driver":
         from gold.device_state import DriverHealthBatch, driver_frame
+        from gold.ticks import sources_planned, tick_stream
 
-        frame, batch_fn = (driver_frame(silver, settings),
-                           DriverHealthBatch(settings, ckpt, app_id, current_columns))
+        ticks = sources_planned(ckpt) != 1  # a checkpoint from before the ticks: silver alone
+        if not ticks:
+            log.warning("%s was started before the health stream's ticks: when no data arrives at "
+                        "all its devices stay as they are (offline only once data comes again); "
+                        "rebuild gold into a new generation (iotlake reprocess) to have them go "
+                        "offline by the wall clock then", ckpt)
+        frame = driver_frame(silver, settings, tick_stream(spark, ckpt) if ticks else None)
+        # the wall clock means nothing to a backfill or reprocess: they keep the event-time rule
+        batch_fn = DriverHealthBatch(settings, ckpt, app_id, current_columns,
+                                     wall_clock=trigger == "live", ticks=ticks)
     else:
         frame, batch_fn = health_frame(silver, settings), HealthBatch(settings, app_id, current_columns)
     writer = (

@@ -55,11 +55,18 @@ METRIC_WINDOWS = pa.schema([
 ])
 
 def device_current_schema(model: TelemetryModel) -> pa.Schema:
-    """``device_current``: each device's status and its latest value of every gold metric."""
+    """``device_current``: each device's status, why (``status_reason``: the status rules that
+    fired, ``error``, ``anomaly``, ``no_data``, ``death``, ``node_death``; ``data`` when online),
+    when it was last heard (``last_seen``: its event time; ``last_received``: the pipeline's
+    clock, silver's ``ingest_time``), its latest value of every gold metric and its topic parts.
+    The columns added since the first version come last, where ``ALTER TABLE ADD COLUMNS``
+    puts them in older tables."""
     return pa.schema([
         ("device_id", pa.string()), ("status", pa.string()), ("status_since", TS),
         ("last_seen", TS), *[(m, pa.float64()) for m in model.gold_metrics],
         ("anomaly_score", pa.float64()), ("updated_at", TS),
+        ("last_received", TS), ("status_reason", pa.string()),
+        *[(c, pa.string()) for c in model.topic_columns],
     ])
 
 

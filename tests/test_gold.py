@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -101,17 +103,22 @@ def test_degraded_on_low_battery_and_anomaly_flags_survive_restart(spark, gold_s
     append_silver(s, rows[:250])
     run_health(spark, s)  # stream stops here: detector state must carry over the restart
     append_silver(s, rows[250:])
-    append_silver(s, [reading("dev-00003", T0 + timedelta(seconds=15 * n), battery=5.0)])
+    # the battery low from then on: degraded once it held 3 readings and 60 s (the 5th, at 60 s)
+    low = [reading("dev-00003", T0 + timedelta(seconds=15 * (n + j)), battery=5.0) for j in range(5)]
+    append_silver(s, low)
     run_health(spark, s)
     an = DeltaTable(s.table_path("anomalies")).to_pandas()
     temp_flags = an[an.metric == "temperature"]
     assert list(temp_flags.event_id) == [rows[300]["event_id"]]
     scored = DeltaTable(s.table_path("readings_scored")).to_pandas()
-    assert len(scored) == (n + 1) * 3 and scored.event_id.nunique() == n + 1
+    assert len(scored) == (n + 5) * 3 and scored.event_id.nunique() == n + 5
     assert scored.score.between(0, 1).all()
-    assert current(s, "dev-00003")["status"] == "degraded"
-    h = DeltaTable(s.table_path("device_status_history")).to_pandas()
-    assert any("battery_low" in r for r in h.reason)
+    cur = current(s, "dev-00003")
+    assert cur["status"] == "degraded" and cur["status_since"] == low[4]["event_time"]
+    assert cur["status_reason"].split(",")[0] == "battery_low"
+    # the spike alone (one anomalous reading) changed no status
+    h = DeltaTable(s.table_path("device_status_history")).to_pandas().sort_values("changed_at")
+    assert list(zip(h.status, h.changed_at, strict=True)) == [("online", T0), ("degraded", low[4]["event_time"])]
 
 
 # ---- window aggregates: watermark, late data, final windows ------------------------------------
@@ -421,9 +428,11 @@ def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings
     commits = [
         [reading(d, T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100)
          for d in ("dev-1", "dev-2")],
-        # dev-2 falls silent (offline); dev-1 goes on, its battery low at the end
+        # dev-2 falls silent (offline); dev-1 goes on, its battery low at the end: degraded
+        # once that held (3 readings, 60 s), across a restart
         [reading("dev-1", T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100, 200)],
-        [reading("dev-1", T0 + timedelta(seconds=2000), battery=5.0)],
+        [reading("dev-1", T0 + timedelta(seconds=2000 + 20 * i), battery=5.0) for i in range(2)],
+        [reading("dev-1", T0 + timedelta(seconds=2000 + 20 * i), battery=5.0) for i in range(2, 4)],
     ]
     runs = {}
     for mode in ("driver", "state_store"):
@@ -435,11 +444,13 @@ def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings
                       for t in ("readings_scored", "anomalies", "device_status_history", "device_current")}
     assert runs["driver"] == runs["state_store"]
     got = runs["driver"]
-    assert got["readings_scored"].num_rows == 301 * 3
+    assert got["readings_scored"].num_rows == 304 * 3
     assert commits[1][50]["event_id"] in got["anomalies"].column("event_id").to_pylist()
-    assert [(r["device_id"], r["status"], r["reason"]) for r in got["device_status_history"].to_pylist()] == [
-        ("dev-1", "online", "data"), ("dev-1", "degraded", "anomaly"), ("dev-1", "online", "data"),
-        ("dev-1", "degraded", "battery_low,anomaly"), ("dev-2", "online", "data"), ("dev-2", "offline", "no_data")]
+    # the spike's one anomalous reading changes no status
+    assert [(r["device_id"], r["status"], r["reason"], r["changed_at"])
+            for r in got["device_status_history"].to_pylist()] == [
+        ("dev-1", "online", "data", T0), ("dev-1", "degraded", "battery_low", T0 + timedelta(seconds=2060)),
+        ("dev-2", "online", "data", T0), ("dev-2", "offline", "no_data", T0 + timedelta(seconds=990 + 120))]
 
     s = with_state(gold_settings, "state_store", "driver")  # a checkpoint keeps its mode
     import gold.health
@@ -552,3 +563,227 @@ def test_device_current_is_rewritten_from_the_driver_until_another_commit(spark,
     cur.write(spark, rows("b", 4.0), 3)  # reloaded, then rewritten from the driver again
     assert table() == {"a": 3.0, "b": 4.0, "c": 2.0, "d": 2.0, "e": 3.0}
     assert cur.version == DeltaTable(path).version() == version + 1
+
+
+# ---- liveness by the wall clock, debounced status ----------------------------------------------
+# Live, a device the pipeline received nothing from (silver's ingest_time) for
+# offline_after_seconds goes offline even with no data at all (gold/ticks.py); a backfill keeps
+# the event-time rule. A status changes between online and degraded once held.
+
+SITE_MODEL = SENSOR.model_copy(update={"topic_pattern": "plant/{site}/{device_id}/telemetry"})
+
+
+def settings_at(settings: Settings, name: str, model=SENSOR, **gold) -> Settings:
+    """``settings`` under a data root of its own, for ``model``, with these gold settings."""
+    return load_settings(environ={}, telemetry=model.model_dump(mode="json"),
+                         data_root=str(Path(settings.data_root).parent / name),
+                         spark={"master": "local[2]", "shuffle_partitions": 2},
+                         stream={"watermark_seconds": 30, "gold_trigger_seconds": 0.5},
+                         gold={"offline_after_seconds": 120, "max_files_per_trigger": 1} | gold)
+
+
+def append_rows(settings: Settings, rows: list[dict]) -> None:
+    schema = silver_schema(settings.telemetry)
+    write_deltalake(settings.table_path("silver"), pa.Table.from_pylist(rows, schema=schema), mode="append")
+
+
+def history_rows(settings: Settings) -> list[tuple]:
+    """(device, status, previous, changed_at, reason) of every status change, in time order."""
+    h = DeltaTable(settings.table_path("device_status_history")).to_pyarrow_table()
+    rows = [(r["device_id"], r["status"], r["previous_status"], r["changed_at"], r["reason"]) for r in h.to_pylist()]
+    return sorted(rows, key=lambda r: (r[0], r[3]))
+
+
+def wait_for(what: str, cond, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def now_ms() -> datetime:
+    """The wall clock to the millisecond (the precision of a device's state)."""
+    t = datetime.now(UTC)
+    return t.replace(microsecond=t.microsecond // 1000 * 1000)
+
+
+def status_now(settings: Settings, device: str) -> dict | None:
+    if not Path(settings.table_path("device_current"), "_delta_log").exists():
+        return None
+    rows = [r for r in DeltaTable(settings.table_path("device_current")).to_pyarrow_table().to_pylist()
+            if r["device_id"] == device]
+    return rows[0] if rows else None
+
+
+def test_a_device_without_any_data_goes_offline_by_the_wall_clock_then_back_online(spark, gold_settings) -> None:
+    import gold.health
+
+    s = settings_at(gold_settings, "wall-clock", offline_after_seconds=3)
+    append_silver(s, [reading("dev-warm", datetime.now(UTC))])
+    q = gold.health.start(spark, s)
+    try:
+        wait_for("a first batch", lambda: status_now(s, "dev-warm"), 120)  # the stream runs
+        sent = now_ms()
+        append_silver(s, [reading("dev-w", sent - timedelta(seconds=1 - 0.5 * i)) for i in range(3)])
+        last = sent  # the last reading's ingest_time (= its event time here)
+        cur = wait_for("offline", lambda: (c := status_now(s, "dev-w")) and c["status"] == "offline" and c, 60)
+        took = (datetime.now(UTC) - last).total_seconds()
+        assert took < 3 + 8, took  # offline_after_seconds, a trigger, a batch
+        assert cur["status_reason"] == "no_data" and cur["last_received"] == last
+        assert cur["status_since"] == last + timedelta(seconds=3)
+        assert [r for r in history_rows(s) if r[0] == "dev-w"] == [
+            ("dev-w", "online", None, last - timedelta(seconds=1), "data"),
+            ("dev-w", "offline", "online", last + timedelta(seconds=3), "no_data")]
+        # every device offline: no deadline, no ticks; the query idles
+        assert status_now(s, "dev-warm")["status"] == "offline"
+        batch = q.lastProgress["batchId"]
+        time.sleep(3)
+        assert q.lastProgress["batchId"] == batch and not q.status["isDataAvailable"]
+
+        back = now_ms()
+        append_silver(s, [reading("dev-w", back)])
+        cur = wait_for("online", lambda: (c := status_now(s, "dev-w")) and c["status"] == "online" and c, 60)
+        assert cur["status_reason"] == "data" and cur["last_received"] == back
+        assert [r[1:4] for r in history_rows(s) if r[0] == "dev-w"][-1] == ("online", "offline", back)
+    finally:
+        q.stop()
+
+
+def held(settings: Settings) -> list[dict]:
+    """400 readings 10 s apart of one device: it reports its error status on 1% of them and
+    breaches the battery rule in two single readings (no status change for either), its error
+    status for readings 300-349 (degraded once held: at 306, 60 s after 300, the 7th) and then
+    no more (online at 356); its site changes at reading 200."""
+    site = "plant/north" if "site" in settings.telemetry.topic_columns else None
+    rows = []
+    for i in range(400):
+        r = reading("dev-h", T0 + timedelta(seconds=10 * i), temp=21.0 + 0.1 * (i % 3),
+                    battery=5.0 if i in (100, 200) else 80.0,
+                    status="error" if i in (50, 150, 250, 390) or 300 <= i < 350 else "ok")
+        r["event_id"] = f"h-{i}"  # the same in every run
+        if site:
+            r["site"] = "north" if i < 200 else "south"
+        rows.append(r)
+    return rows
+
+
+def test_a_status_changes_once_it_held_not_on_single_readings(spark, gold_settings) -> None:
+    s = settings_at(gold_settings, "held", SITE_MODEL)
+    rows = held(s)
+    append_rows(s, rows)
+    run_health(spark, s)
+    at = [r["event_time"] for r in rows]
+    assert [r[1:] for r in history_rows(s)] == [
+        ("online", None, at[0], "data"), ("degraded", "online", at[306], "error"),
+        ("online", "degraded", at[356], "data")]
+    cur = current(s, "dev-h")
+    assert (cur["status"], cur["status_reason"], cur["status_since"]) == ("online", "data", at[356])
+    assert cur["site"] == "south" and cur["last_received"] == rows[-1]["ingest_time"]
+
+
+def test_status_history_is_the_same_however_the_readings_are_split(spark, gold_settings) -> None:
+    """The hold's state survives restarts and batch boundaries: one batch, a batch per 7
+    readings, or a restart within each hold (after readings 303 and 353) write the same tables."""
+    runs = []
+    for name, cuts, restarts in (("one", [0, 400], False), ("sevens", [*range(0, 400, 7), 400], False),
+                                 ("restarts", [0, 150, 303, 353, 400], True)):
+        s = settings_at(gold_settings, f"split-{name}", SITE_MODEL)
+        rows = held(s)
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            append_rows(s, rows[lo:hi])
+            if restarts:
+                run_health(spark, s)
+        run_health(spark, s)
+        runs.append({t: comparable(DeltaTable(s.table_path(t)).to_pyarrow_table())
+                     for t in ("device_status_history", "device_current", "readings_scored")})
+    assert runs[0]["device_status_history"].num_rows == 3
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_backfill_never_takes_a_device_offline_by_the_wall_clock(spark, gold_settings) -> None:
+    import gold.health
+
+    s = settings_at(gold_settings, "backfill", offline_after_seconds=5)
+    old = [reading("dev-old", T0 + timedelta(seconds=10 * i)) for i in range(3)]  # received in January
+    append_silver(s, old)
+    run_health(spark, s)
+    assert history_rows(s) == [("dev-old", "online", None, T0, "data")]
+    assert current(s, "dev-old")["last_received"] == old[-1]["ingest_time"]
+
+    q = gold.health.start(spark, s)  # live: dev-old was received long ago
+    try:
+        wait_for("offline", lambda: (c := status_now(s, "dev-old")) and c["status"] == "offline", 60)
+    finally:
+        q.stop()
+    gone = old[-1]["ingest_time"] + timedelta(seconds=5)
+    assert history_rows(s)[-1] == ("dev-old", "offline", "online", gone, "no_data")
+
+    # a backfill on the live checkpoint (same sources) of more old data: its device stays online
+    append_silver(s, [reading("dev-2", T0 + timedelta(seconds=10 * i)) for i in range(3)])
+    run_health(spark, s)
+    assert [r for r in history_rows(s) if r[0] == "dev-2"] == [("dev-2", "online", None, T0, "data")]
+    assert current(s, "dev-2")["status"] == "online"
+
+
+def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settings, caplog) -> None:
+    """A checkpoint whose batches read silver alone (as before the ticks), a device_current of
+    the first schema and device states without the later columns: the stream runs on, warns
+    how to rebuild, and the tables gain the new columns."""
+    import gold.health
+    from gold.device_state import DriverHealthBatch, driver_frame
+    from gold.windows import silver_stream
+    from lakehouse.delta_tables import ensure_named_table
+    from lakehouse.streams import foreach_batch, query_id
+    from lakehouse.tables import device_current_schema
+
+    s = settings_at(gold_settings, "legacy", SITE_MODEL)
+    first = device_current_schema(SENSOR)  # without last_received, status_reason, site
+    first = pa.schema([f for f in first if f.name not in ("last_received", "status_reason")])
+    ensure_named_table(spark, s, "device_current", first)
+    ensure_named_table(spark, s, "device_status_history", gold.health.DEVICE_STATUS_HISTORY)
+    for name, schema in (("readings_scored", gold.health.READINGS_SCORED), ("anomalies", gold.health.ANOMALIES)):
+        ensure_named_table(spark, s, name, schema)
+    rows = held(s)
+    append_rows(s, rows[:100])
+    ckpt = s.checkpoint_path("gold_health")
+    silver = silver_stream(spark, s, columns=gold.health.health_input(s.telemetry))
+    q = (foreach_batch(driver_frame(silver, s), "gold_health",
+                       DriverHealthBatch(s, ckpt, query_id(ckpt), first.names))
+         .option("checkpointLocation", ckpt).trigger(availableNow=True).start())
+    q.awaitTermination()
+    assert q.exception() is None
+    # the device states as the first version wrote them
+    from gold.device_state import state_files
+
+    for _, _, f in state_files(Path(ckpt, "device_state")):
+        t = pa.ipc.open_file(pa.memory_map(str(f))).read_all()
+        keep = [c for c in t.column_names if c not in (
+            "last_received", "status_reason", "pending_status", "pending_count", "pending_since", "topic.site")]
+        with pa.OSFile(str(f), "wb") as out, pa.ipc.new_file(out, t.select(keep).schema) as w:
+            w.write_table(t.select(keep))
+    Path(ckpt, "iotlake_health_state_mode").write_text("driver\n")
+
+    append_rows(s, rows[100:350])
+    with caplog.at_level(logging.WARNING, logger="gold.health"):
+        run_health(spark, s)
+        q = gold.health.start(spark, s)  # live, without ticks
+        try:
+            append_rows(s, rows[350:])
+            wait_for("the live batch", lambda: (c := status_now(s, "dev-h")) and c["last_received"]
+                     == rows[-1]["ingest_time"], 60)
+        finally:
+            q.stop()
+    assert sum("started before the health stream's ticks" in r.getMessage() for r in caplog.records) == 2
+    assert [len(x.splitlines()) - 2 for x in (Path(ckpt, "offsets", b.name).read_text()
+            for b in Path(ckpt, "offsets").glob("[0-9]*"))] == [1] * len(list(Path(ckpt, "offsets").glob("[0-9]*")))
+    at = [r["event_time"] for r in rows]
+    cur = current(s, "dev-h")
+    # the hold from the first state on (a state without one holds nothing yet), the new columns
+    assert [r[1:] for r in history_rows(s)] == [
+        ("online", None, at[0], "data"), ("degraded", "online", at[306], "error"),
+        ("online", "degraded", at[356], "data")]
+    assert (cur["status"], cur["status_reason"], cur["site"]) == ("online", "data", "south")
+    assert cur["last_received"] == rows[-1]["ingest_time"]
