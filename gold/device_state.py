@@ -62,7 +62,7 @@ from gold.health import (
     time_out_received,
 )
 from gold.ticks import TickTimer, batch_time_ms
-from lakehouse import delta_txn
+from lakehouse import delta_txn, observers
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
 from lakehouse.delta_tables import append_table, retry_conflicts, upsert
@@ -277,6 +277,7 @@ class DriverHealthBatch:
         """The four tables from the batch's output rows (built here in Arrow: no Spark job
         before the writes), each written exactly once for (query id, batch id), at once."""
         tables = {"readings_scored": scored(out.columns("reading"), self.metrics)}
+        observers.publish("gold_scores", tables["readings_scored"])  # the alert engine's anomaly rules
         tables["anomalies"] = tables["readings_scored"].filter(
             pc.fill_null(tables["readings_scored"].column("is_anomaly"), False))
         hist = out.columns("status")
