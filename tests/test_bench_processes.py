@@ -18,6 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: bench -> its last line's headline figures
 SUBPROCESS = {
+    "alert_latency": Headline(nonzero=("rate", "threshold_p50_s", "threshold_p99_s", "notifications_per_incident",
+                                       "incidents"),
+                              finite=("silence_extra_s", "lost", "duplicated", "status_changes_per_device_hour")),
     "anomaly_quality": Headline(nonzero=("state_bytes_per_key", "readings_per_s", "kernel_rows_per_s_10k_keys"),
                                 finite=("score", "score_direct", "score_leave_one_category_out",
                                         "baseline_score", "ratio")),
@@ -49,6 +52,8 @@ def test_bench_smoke(bench: str, tmp_path: Path) -> None:
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     last = check_last_line(bench, proc.stdout, SUBPROCESS[bench])
+    if bench == "alert_latency":  # every incident notified once
+        assert (last["lost"], last["duplicated"], last["notifications_per_incident"]) == (0, 0, 1.0), last
     if bench == "soak":  # sampled the whole run, every probe reached silver, upkeep kept files down
         assert last["samples"] >= 4 and last["lost"] == 0 and last["probes"] > 0, last
         assert 0 < last["files_max"] <= 200, last

@@ -131,6 +131,8 @@ class AlertEngine:
                 self.breaches.state[key] = Breach(since, last, value, dev, metric or rule.metric)
         self.devices = DeviceTable(settings.table_path("device_current"), self.site_column)
         self.heard: dict[str, float] = {}  # site -> latest reception of any of its devices
+        self.frontier: float | None = None  # the latest reception any silver batch carried
+        self.last_batch_at: float | None = None  # wall time of the last silver batch with rows
         self.inbox: deque[tuple[str, pa.Table]] = deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()  # set when a tick wrote rows for the Delta tables
@@ -163,24 +165,31 @@ class AlertEngine:
             kind, t = self.inbox.popleft()
             if kind == "readings":
                 self.breaches.readings(t, oldest)
-                self._hear(t)
+                self._hear(t, now)
             else:
                 self.breaches.scores(t, oldest)
         evaluated: set[str] = set(READING_KINDS)
+        # subjects judged at this tick, per kind: an open alert of a subject not seen now (a
+        # device_current read between rewrites, a site not yet heard since a restart) stays open
+        known: dict[str, set[str]] = {}
         conds: list[Condition] = self.breaches.active()
         devices = self.devices.read() if any(r.kind in DEVICE_KINDS or r.kind == "site_silent"
                                              for r in self.rules) else None
         if devices is not None:
             evaluated |= DEVICE_KINDS
+            ids = {d["device_id"] for d in devices}
+            known.update({k: ids for k in DEVICE_KINDS})
             conds += device_conditions([r for r in self.rules if r.kind in DEVICE_KINDS], devices)
             for d in devices:
                 t = d.get("last_received") or d.get("last_seen")
                 site = d.get("site")
                 if site and t is not None:
                     self.heard[site] = max(self.heard.get(site, 0.0), t.timestamp())
-        if self.heard or devices is not None:
+        if self.heard:
             evaluated.add("site_silent")
-            conds += site_conditions(self.rules, self.heard, now, self.settings.gold.offline_after_seconds)
+            known["site_silent"] = set(self.heard)
+            conds += site_conditions(self.rules, self.heard, now, self.settings.gold.offline_after_seconds,
+                                     self.frontier, self.last_batch_at)
         snap = self.pipeline() if self.pipeline is not None else None
         if snap is not None:
             evaluated |= PIPELINE_KINDS
@@ -230,7 +239,8 @@ class AlertEngine:
             notes += self._resolution(a, now)
         for a in list(self.open.values()):
             key = a.extra.get("key")
-            if key not in active and a.kind in evaluated and a.fingerprint not in changed:
+            judged = a.kind in evaluated and (a.kind not in known or a.subject in known[a.kind])
+            if key not in active and judged and a.fingerprint not in changed:
                 del self.open[a.fingerprint]
                 changed[a.fingerprint] = None
                 rows.append(self._row(a, "resolved", now))
@@ -296,8 +306,14 @@ class AlertEngine:
         name = key.split("|", 1)[0]
         return next((r.kind for r in self.rules if r.name == name), None)
 
-    def _hear(self, t: pa.Table) -> None:
-        if self.site_column not in t.column_names or "ingest_time" not in t.column_names or not t.num_rows:
+    def _hear(self, t: pa.Table, now: float) -> None:
+        if "ingest_time" not in t.column_names or not t.num_rows:
+            return
+        latest = pc.max(pc.cast(t.column("ingest_time"), pa.int64())).as_py()  # epoch µs
+        if latest is not None:
+            self.frontier = max(self.frontier or 0.0, latest / 1e6)
+            self.last_batch_at = now
+        if self.site_column not in t.column_names:
             return
         g = t.group_by(self.site_column).aggregate([("ingest_time", "max")])
         for site, last in zip(g.column(self.site_column).to_pylist(),

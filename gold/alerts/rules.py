@@ -63,19 +63,27 @@ def device_conditions(rules: list[AlertRuleSettings], devices: list[dict]) -> li
 
 
 def site_conditions(rules: list[AlertRuleSettings], heard: dict[str, float], now: float,
-                    offline_after: float) -> list[Condition]:
+                    offline_after: float, frontier: float | None = None,
+                    arrived: float | None = None) -> list[Condition]:
     """Sites none of whose devices was heard from for the rule's ``silent_seconds``;
-    ``heard``: each site's latest reception (wall clock, epoch s)."""
+    ``heard``: each site's latest reception (the pipeline's clock, epoch s).
+
+    While batches keep arriving (the last at wall time ``arrived``, within the bound) a site is
+    judged against ``frontier``, the latest reception any batch carried, not the wall clock:
+    a pipeline whose batches take longer than the bound is late, not silent (that is
+    ``pipeline_stale``'s to say). Once nothing has arrived for the bound, the wall clock."""
     out = []
     for r in rules:
         if r.kind != "site_silent":
             continue
         bound = r.silent_seconds or offline_after
+        flowing = frontier is not None and arrived is not None and now - arrived < bound
+        clock = frontier if flowing else now
         for site, last in heard.items():
-            if now - last > bound:
+            if clock - last > bound:
                 out.append(Condition(r, site, {"site": site},
-                                     _summary(r, f"no device of site {site} heard for {now - last:.0f} s"),
-                                     value=round(now - last, 1), site=site))
+                                     _summary(r, f"no device of site {site} heard for {clock - last:.0f} s"),
+                                     value=round(clock - last, 1), site=site))
     return out
 
 
