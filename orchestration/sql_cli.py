@@ -3,7 +3,8 @@
 Every table is a temp view over ``spark.read.format("delta")`` (delta-spark) at a pinned
 ``versionAsOf``, under the same names as ``iotlake query``. Versions are resolved when the
 session starts (delta-rs, no Spark job): every statement of a session sees one consistent
-snapshot, and ``--as-of-*`` applies to all tables.
+snapshot, and ``--as-of-*`` applies to all tables. A statement reads those tables and nothing
+else on disk (``orchestration/sql_confine.py``) unless ``--allow-files``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lakehouse.settings import Settings
 from lakehouse.tables import TABLES
 from orchestration.query import QueryError, open_table, referenced_tables
 from orchestration.query_cli import add_read_options, format_table
+from orchestration.sql_confine import RUN_SQL_ON_FILES, Confinement, Refused
 
 # Literals, quoted identifiers and comments (unterminated ones run to the end: an unfinished
 # statement at the prompt), a ';', or anything else.
@@ -72,7 +74,7 @@ class SqlSession:
     """Every existing table registered in ``spark`` as a temp view at its pinned version."""
 
     def __init__(self, spark: SparkSession, settings: Settings, as_of_version: int | None = None,
-                 as_of_timestamp: str | None = None) -> None:
+                 as_of_timestamp: str | None = None, allow_files: bool = False) -> None:
         if as_of_version is not None and as_of_timestamp is not None:
             raise QueryError("give either as_of_version or as_of_timestamp, not both")
         self.versions: dict[str, int] = {}
@@ -84,27 +86,41 @@ class SqlSession:
             except QueryError as e:
                 self.unreadable[name] = str(e)
         self.spark = spark
+        roots: set[str] = set()
         for name, version in self.versions.items():
             path = settings.table_path(name)
-            (self.spark.read.format("delta").option("versionAsOf", str(version)).load(path)
-             .createOrReplaceTempView(name))
+            view = self.spark.read.format("delta").option("versionAsOf", str(version)).load(path)
+            view.createOrReplaceTempView(name)
+            roots |= Confinement.roots_of(view)
+        # unless --allow-files, statements read the lake's tables only (orchestration/sql_confine)
+        self._files_conf = spark.conf.get(RUN_SQL_ON_FILES)
+        self.confinement = None if allow_files else Confinement(spark, roots, list(self.versions))
 
     def close(self) -> None:
         """Drop the views (the caller's session may live on, e.g. in tests)."""
         for name in self.versions:
             self.spark.catalog.dropTempView(name)
+        self.spark.conf.set(RUN_SQL_ON_FILES, self._files_conf)
 
     def run(self, sql: str) -> pa.Table:
         """Run one statement; QueryError (one line) for bad SQL or a table that cannot be read."""
         from py4j.protocol import Py4JJavaError
         from pyspark.errors import AnalysisException, PySparkException
+        from pyspark.errors.exceptions.captured import convert_exception
 
         for name in referenced_tables(sql):
             if name in self.unreadable:
                 raise QueryError(self.unreadable[name])
         try:
             with _quiet_pyspark_errors():
-                return self.spark.sql(sql).toArrow()
+                if self.confinement is None:
+                    return self.spark.sql(sql).toArrow()
+                try:
+                    return self.confinement.run(sql).toArrow()
+                except Py4JJavaError as e:  # the parser's or a command's: as spark.sql raises them
+                    raise convert_exception(e.java_exception) from None
+        except Refused as e:
+            raise QueryError(str(e)) from None
         except AnalysisException as e:
             if e.getCondition() == "TABLE_OR_VIEW_NOT_FOUND":
                 name = (e.getMessageParameters() or {}).get("relationName", "?").replace("`", "")
@@ -117,7 +133,7 @@ class SqlSession:
 
 def execute(spark: SparkSession, settings: Settings, text: str, as_of_version: int | None = None,
             as_of_timestamp: str | None = None, fmt: str = "table",
-            out: TextIO | None = None, err: TextIO | None = None) -> int:
+            out: TextIO | None = None, err: TextIO | None = None, allow_files: bool = False) -> int:
     """Run the ``;``-separated statements in ``text`` and print each result; stops at the first
     failing one. Exit code: 0, or 2 with a one-line error."""
     out, err = out or sys.stdout, err or sys.stderr
@@ -128,7 +144,7 @@ def execute(spark: SparkSession, settings: Settings, text: str, as_of_version: i
         print("iotlake sql: no SQL statement given", file=err)
         return 2
     try:
-        session = SqlSession(spark, settings, as_of_version, as_of_timestamp)
+        session = SqlSession(spark, settings, as_of_version, as_of_timestamp, allow_files)
     except QueryError as e:
         print(f"iotlake sql: {e}", file=err)
         return 2
@@ -222,9 +238,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if text is not None:
             return execute(spark, settings, text, args.as_of_version, args.as_of_timestamp,
-                           args.format)
+                           args.format, allow_files=args.allow_files)
         try:
-            session = SqlSession(spark, settings, args.as_of_version, args.as_of_timestamp)
+            session = SqlSession(spark, settings, args.as_of_version, args.as_of_timestamp,
+                                 args.allow_files)
         except QueryError as e:
             print(f"iotlake sql: {e}", file=sys.stderr)
             return 2
@@ -243,4 +260,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("-e", "--execute", metavar="SQL", help="statement(s) to run, ';'-separated")
     src.add_argument("-f", "--file", metavar="FILE", help="file of ';'-separated statements")
     add_read_options(p)
+    p.add_argument("--allow-files", action="store_true",
+                   help="let statements read paths, add jars and write tables (by default they "
+                        "read the lake's tables only: exit 2 otherwise)")
     p.set_defaults(func=_run)

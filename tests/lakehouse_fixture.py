@@ -169,11 +169,16 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
                arg_max(battery, event_time) b FROM silver_t GROUP BY device_id ORDER BY device_id
     """).fetchall()
     max_score = dict(con.execute("SELECT device_id, max(score) FROM scored GROUP BY 1").fetchall())
-    write(settings, "device_current", {
+    reason = {"online": "data", "degraded": "low_battery", "offline": "no_data"}
+    current = {
         "device_id": ids, "status": status, "status_since": [since[d] for d in ids],
         "last_seen": [last[d] for d in ids], "temperature": [r[1] for r in latest],
         "humidity": [r[2] for r in latest], "battery": [r[3] for r in latest],
-        "anomaly_score": [max_score[d] for d in ids], "updated_at": [now] * devices})
+        "anomaly_score": [max_score[d] for d in ids], "updated_at": [now] * devices,
+        "last_received": [last[d] + timedelta(seconds=2) for d in ids],
+        "status_reason": [reason[s] for s in status]}
+    # the columns device_current has in this checkout (older ones lack the last two)
+    write(settings, "device_current", {c: current[c] for c in SCHEMAS["device_current"].names})
     hist: dict[str, list[Any]] = {f: [] for f in SCHEMAS["device_status_history"].names}
     for d, s in zip(ids, status, strict=True):
         changes = [("online", None, start, "first seen")]
