@@ -560,6 +560,22 @@ class SimulatorSettings(_Section):
     device_prefix: str = Field("dev", pattern=r"^[A-Za-z0-9_.-]{1,32}$")
 
 
+class DashboardSettings(_Section):
+    """``iotlake dashboard``. Without a token it answers only requests whose ``Host`` is one of
+    these names, the bind address, ``localhost``, ``127.0.0.1`` or ``::1`` (a page of another
+    name, DNS rebinding, gets 421)."""
+    allowed_hosts: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        bad = [h for h in v if not re.fullmatch(r"[A-Za-z0-9.:\[\]_-]{1,253}", h)]
+        if bad:
+            raise ValueError(f"dashboard.allowed_hosts takes host names or addresses without a port "
+                             f"or scheme (e.g. 'ops.example.com'): {bad}")
+        return [h.lower().strip("[]") for h in v]
+
+
 class Settings(_Section):
     data_root: str = "./data"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -574,6 +590,7 @@ class Settings(_Section):
     storage: StorageSettings = Field(default_factory=StorageSettings)
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
     alerts: AlertsSettings = Field(default_factory=AlertsSettings)
+    dashboard: DashboardSettings = Field(default_factory=DashboardSettings)
     _pinned: str | None = PrivateAttr(default=None)
 
     @field_validator("data_root")
