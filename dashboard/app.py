@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from lakehouse.delta_read import arrow_dataset, table_exists
@@ -365,13 +365,83 @@ class Lake:
         return out
 
 
-def create_app(settings: Settings, token: str | None = None, check_every: float = 1.0) -> FastAPI:
-    """Build the app; with a ``token`` every /api call needs ``Authorization: Bearer <token>``."""
+#: Every answer's: the page loads its own script, style and data only, and no other site frames it.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+                               "form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header, without its port: ``[::1]:8050`` -> ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def allowed_hosts(settings: Settings, bind: str) -> frozenset[str]:
+    """Names a token-less dashboard answers to: loopback, its bind address, the settings' own."""
+    own = {bind.lower().strip("[]")} - _WILDCARDS
+    return LOOPBACK_NAMES | own | set(settings.dashboard.allowed_hosts)
+
+
+class Guard:
+    """ASGI middleware: the security headers on every answer, and, when ``hosts`` is set (no
+    token), 421 to a request whose ``Host`` is not one of them: a page of another site whose
+    name was pointed at this address (DNS rebinding) reads nothing. ``/healthz`` stays open to
+    probes, whatever name they use, with the verdict only."""
+
+    def __init__(self, app: Any, hosts: frozenset[str] | None) -> None:
+        self.app, self.hosts = app, hosts
+        self._headers = [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+
+    def trusted(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if self.hosts is None:
+            return True
+        host = next((v.decode("latin-1") for k, v in headers if k == b"host"), "")
+        return host_name(host) in self.hosts
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *self._headers]
+            await send(message)
+
+        trusted = self.trusted(scope.get("headers", []))
+        scope.setdefault("state", {})["trusted_host"] = trusted
+        if not trusted and scope["path"] != "/healthz":
+            names = ", ".join(sorted(self.hosts or ()))
+            answer = PlainTextResponse(
+                f"this dashboard answers to {names} (dashboard.allowed_hosts adds names; a token, "
+                "IOTLAKE_DASHBOARD_TOKEN, lifts the check)\n", status_code=421)
+            await answer(scope, receive, with_headers)
+            return
+        await self.app(scope, receive, with_headers)
+
+
+def create_app(settings: Settings, token: str | None = None, check_every: float = 1.0,
+               bind: str = "127.0.0.1") -> FastAPI:
+    """Build the app; with a ``token`` every /api call needs ``Authorization: Bearer <token>``,
+    without one every request needs a ``Host`` of ``allowed_hosts(settings, bind)``."""
     lake = Lake(settings, check_every)
     app = FastAPI(title="iotlake dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.lake = lake
+    app.add_middleware(Guard, hosts=None if token else allowed_hosts(settings, bind))
 
     def authorized(request: Request) -> bool:
+        if not request.scope.get("state", {}).get("trusted_host", True):
+            return False
         given = request.headers.get("authorization", "")
         return not token or hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +30,31 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings, dict[str, Any]]]:
-    """A lakehouse plus the dashboard serving it over HTTP on a free loopback port."""
-    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
-    facts = build_lakehouse(settings, devices=60, hours=2)
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """``app`` served over HTTP on a free loopback port; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, token=TOKEN, check_every=0.0),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "dashboard did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", settings, facts
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Settings, dict[str, Any]]]:
+    """A lakehouse plus the dashboard serving it over HTTP on a free loopback port."""
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
+    facts = build_lakehouse(settings, devices=60, hours=2)
+    with serve(create_app(settings, token=TOKEN, check_every=0.0)) as base:
+        yield base, settings, facts
 
 
 def get(base: str, path: str, token: str | None = TOKEN) -> httpx.Response:
@@ -194,6 +205,114 @@ def test_latest_serves_the_previous_answer_while_the_next_is_computed() -> None:
     assert computed == ["v1", "v5"]
 
 
+# ---- security: Host allowlist without a token, headers, the token never on the command line ----
+
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def assert_security_headers(r: httpx.Response) -> None:
+    assert r.headers["content-security-policy"] == CSP, r.url
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert r.headers["x-frame-options"] == "DENY" and r.headers["referrer-policy"] == "no-referrer"
+
+
+def test_without_a_token_only_allowed_host_names_are_answered(served) -> None:
+    """DNS rebinding: a page of evil.example whose name now points at 127.0.0.1 sends
+    ``Host: evil.example``; it gets 421 and no data. Loopback names, the bind address and
+    ``dashboard.allowed_hosts`` are answered; /healthz stays open to probes, verdict only."""
+    _, served_settings, facts = served
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"),
+                             data_root=served_settings.data_root,
+                             dashboard={"allowed_hosts": ["ops.example.com"]})
+    with serve(create_app(settings, check_every=0.0, bind="10.1.2.3")) as base:
+        port = base.rsplit(":", 1)[1]
+
+        def at(path: str, host: str) -> httpx.Response:
+            return httpx.get(base + path, headers={"Host": host}, timeout=10)
+
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
+                     "localhost.", "ops.example.com.evil.example", ""):
+            for path in ("/api/fleet", "/", "/static/app.js", "/api/device/dev-0001"):
+                r = at(path, host)
+                assert r.status_code == 421, (host, path, r.status_code)
+                assert facts["fleet"]["online"] != 0 and "dev-0001" not in r.text
+                assert r.text.startswith("this dashboard answers to 10.1.2.3, 127.0.0.1, ::1, "
+                                         "localhost, ops.example.com")
+                assert_security_headers(r)
+            health = at("/healthz", host)
+            assert health.status_code == 503 and health.json() == {
+                "time": None, "role": "all", "running": False, "healthy": False}
+        for host in (f"127.0.0.1:{port}", "localhost", f"[::1]:{port}", "10.1.2.3",
+                     "ops.example.com", "OPS.Example.com:443"):
+            r = at("/api/fleet", host)
+            assert r.status_code == 200 and r.json()["by_status"] == facts["fleet"], host
+            assert_security_headers(r)
+        assert "problems" in at("/healthz", "localhost").json()  # a trusted name: the details
+        page = at("/", "localhost")
+        assert page.status_code == 200 and "<script src=\"/static/app.js\">" in page.text
+        assert_security_headers(page)
+
+
+def test_with_a_token_the_token_decides_and_headers_are_set(served) -> None:
+    base, _, facts = served
+    r = httpx.get(base + "/api/fleet", headers={"Host": "dash.example", "Authorization": f"Bearer {TOKEN}"},
+                  timeout=10)
+    assert r.status_code == 200 and r.json()["by_status"] == facts["fleet"]
+    assert_security_headers(r)
+    refused = get(base, "/api/fleet", token=None)
+    assert refused.status_code == 401
+    assert_security_headers(refused)
+    for path in ("/", "/static/app.js", "/static/style.css"):
+        assert_security_headers(get(base, path, token=None))
+
+
+def test_token_from_a_file_never_on_the_command_line(served, tmp_path: Path, capsys) -> None:
+    """``--token-file`` (the token is not in ``ps``); ``--token`` is refused, saying why."""
+    from orchestration.cli import main
+
+    _, settings, facts = served
+    assert main(["--data-root", settings.data_root, "dashboard", "--token", TOKEN]) == 2
+    err = capsys.readouterr().err
+    assert err == ("iotlake dashboard: --token would show in `ps`; put the token in "
+                   "IOTLAKE_DASHBOARD_TOKEN or in a file read with --token-file FILE\n")
+    assert main(["--data-root", settings.data_root, "dashboard", "--token-file",
+                 str(tmp_path / "none")]) == 2
+    assert "cannot read --token-file" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    assert main(["--data-root", settings.data_root, "dashboard", "--token-file",
+                 str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.endswith("is empty\n")
+
+    secret = tmp_path / "token"
+    secret.write_text("file-token-456\n")
+    secret.chmod(0o600)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IOTLAKE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "--data-root", settings.data_root,
+                             "dashboard", "--port", str(port), "--token-file", str(secret)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(base + "/healthz", timeout=2).status_code:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the dashboard did not answer"
+                time.sleep(0.2)
+        assert "file-token-456" not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        assert get(base, "/api/fleet", token=None).status_code == 401
+        assert get(base, "/api/fleet", token=TOKEN).status_code == 401
+        fleet = get(base, "/api/fleet", token="file-token-456")
+        assert fleet.status_code == 200 and fleet.json()["by_status"] == facts["fleet"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def _chromium() -> str | None:
     for candidate in ("/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser")):
         if candidate and os.access(candidate, os.X_OK):
@@ -205,7 +324,7 @@ def test_browser_shows_fleet_device_and_anomaly(served) -> None:
     chromium = _chromium()
     if chromium is None:
         pytest.skip("no Chromium found (/usr/bin/chromium); install it with: apt-get install -y chromium")
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     base, _, facts = served
     an = facts["anomaly"]
@@ -225,7 +344,8 @@ def test_browser_shows_fleet_device_and_anomaly(served) -> None:
             assert page.text_content('[data-count="total"]') == str(facts["devices"])
 
             page.fill("#q", offline)
-            page.wait_for_function("document.querySelectorAll('#devices tr').length === 1")
+            # the page's CSP forbids eval, so waits are locators' (wait_for_function evaluates a string)
+            expect(page.locator("#devices tr")).to_have_count(1)
             assert page.text_content(f'#devices tr[data-device="{offline}"] [data-status]') == "offline"
             page.click(f'#devices tr[data-device="{offline}"]')
             page.wait_for_selector(f'#device-title[data-device="{offline}"]')
@@ -247,7 +367,7 @@ def test_browser_shows_fleet_device_and_anomaly(served) -> None:
                 n for s, n in facts["fleet"].items() if s != "online")
 
             page.fill("#q", "")  # a full device list for the screenshot; the selection stays
-            page.wait_for_function("document.querySelectorAll('#devices tr').length === 25")
+            expect(page.locator("#devices tr")).to_have_count(25)
             assert page.locator("#devices tr.selected").get_attribute("data-device") == an["device_id"]
             time.sleep(0.3)  # let the last paint settle before the screenshot
             out = REPO / "test-artifacts" / "dashboard.png"
