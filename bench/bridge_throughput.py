@@ -356,7 +356,9 @@ def main() -> int:
         work = Path(tmp)
         base = load_settings(environ={}, data_root=str(work / "data"),
                              kafka={"embedded_port": args.kafka_port, "partitions": 4},
-                             mqtt={"embedded_port": args.mqtt_port})
+                             # anonymous: mosquitto_pub / mosquitto_sub and the bridge as before
+                             # authentication (the measured bridge is the same either way)
+                             mqtt={"embedded_port": args.mqtt_port, "allow_anonymous": True})
         with embedded_services(base):
             base = load_settings(environ={}, **{**base.model_dump(),
                                                 "kafka": {**base.kafka.model_dump(), "bootstrap": base.kafka_bootstrap},

@@ -221,8 +221,10 @@ def parse_quality_counts(n: int, counts: dict[str, int],
 
 def registered_devices(registered: frozenset[str], sparkplug: bool) -> Column:
     """True where the registry holds the row's device (a Sparkplug device by its edge node,
-    ``group/node``). The ids go into the plan as one SQL IN list (Spark makes it a hash set),
-    parsed in one call rather than a literal per id."""
+    ``group/node``), as one SQL IN list (a hash set once optimized). For the distributed
+    writer: its cost per batch grows with the registry (about a second with 10,000 ids,
+    docs/guarantees.md), where the driver's check of an Arrow batch (``unknown_reasons``) is a
+    hash look-up per row."""
     if not registered:
         return F.lit(False)
     device = "substring_index(device_id, '/', 2)" if sparkplug else "device_id"
@@ -239,6 +241,19 @@ def unknown_devices(df: DataFrame, known: Column) -> DataFrame:
                          .otherwise(F.concat(r, F.lit(",unknown_device"))))
 
 
+def unknown_reasons(out: pa.Table, registered: pa.Array, sparkplug: bool) -> pa.Table:
+    """``unknown_devices`` on a batch the driver holds."""
+    device = out.column("device_id")
+    if sparkplug:
+        device = pc.binary_join(pc.list_slice(pc.split_pattern(device, "/", max_splits=2), 0, 2), "/")
+    known = pc.fill_null(pc.is_in(device, value_set=registered), False)
+    r = out.column("reasons")
+    marked = pc.if_else(pc.equal(r, ""), pa.scalar("unknown_device"),
+                        pc.binary_join_element_wise(r, pa.scalar(",unknown_device"), pa.scalar("")))
+    reasons = pc.if_else(pc.or_(known, pc.equal(r, "not_json")), r, marked)
+    return out.set_column(out.column_names.index("reasons"), "reasons", reasons)
+
+
 class SilverBatchWriter:
     """foreachBatch function: route, write exactly once, log quality counts."""
 
@@ -253,33 +268,34 @@ class SilverBatchWriter:
         # delay 0: late copies are quarantined before the index is asked (silver/dedup.py)
         self.index = DedupIndex(checkpoint, delay_ms=0) if settings.stream.dedup == "index" else None
         self.registry = Registered(settings) if settings.telemetry.require_registered else None
-        self._registered: tuple[frozenset[str], Column] | None = None
+        self._registered: tuple[frozenset[str], pa.Array | Column] | None = None
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        if self.registry is not None:  # before the raw payloads of quarantined rows are kept
-            ids = self.registry.current()
-            if self._registered is None or self._registered[0] is not ids:  # a new version
-                self._registered = ids, registered_devices(ids, self.settings.telemetry.sparkplug)
-            df = unknown_devices(df, self._registered[1])
+        registered = self._registered_now()
         late_wm = late_watermark_ms(self.checkpoint, batch_id)
         now = datetime.now(UTC)
         added = None
         if self.index is not None:
             # one pass to the driver; the raw payload rides along only for rows bound to quarantine
+            # (every row's when the registry judges them: here, on the driver)
             late_cond = F.col("dedup_time").isNotNull() & at_or_before(F.col("dedup_time"), late_wm * 1000)
+            keep = (F.col("reasons") != "") | late_cond if registered is None else F.lit(True)
             # the dedup keys' fingerprints hashed by the executors, not the driver's one core
             prints = dict(zip(_PRINTS, fingerprint_columns("dedup_key"), strict=True))
-            out = df.withColumns({"value": F.when((F.col("reasons") != "") | late_cond, F.col("value")),
-                                  **prints}).toArrow()
+            out = df.withColumns({"value": F.when(keep, F.col("value")), **prints}).toArrow()
             rows_in = out.num_rows
             if rows_in == 0:
                 self.last_counts = {}
                 return
+            if registered is not None:
+                out = unknown_reasons(out, registered, self.settings.telemetry.sparkplug)
             out, late_rows, added = self._dedup(batch_id, out, late_wm)
             late = self._quarantine(late_rows, now, reason="late")
             self.index.log(batch_id, added)  # durable before anything of the batch commits
             duplicates = rows_in - out.num_rows - late.num_rows
         else:
+            if registered is not None:
+                df = unknown_devices(df, registered)
             self._write_distributed(df.persist(), batch_id, now)
             return
         reasons = out.column("reasons")
@@ -303,6 +319,19 @@ class SilverBatchWriter:
             self.index.commit(batch_id, added)
             note_batch(self.app_id, batch_id, state_rows=len(self.index),
                        rows_dropped_by_watermark=late.num_rows, duplicates_dropped=duplicates)
+
+    def _registered_now(self) -> pa.Array | Column | None:
+        """The registry's ids (the index mode's Arrow array, the distributed mode's Spark
+        test), made again only when the table has a new version; None: not asked for."""
+        if self.registry is None:
+            return None
+        ids = self.registry.current()
+        if self._registered is None or self._registered[0] is not ids:
+            sparkplug = self.settings.telemetry.sparkplug
+            made = (pa.array(sorted(ids), pa.string()) if self.index is not None
+                    else registered_devices(ids, sparkplug))
+            self._registered = ids, made
+        return self._registered[1]
 
     def _write_distributed(self, df: DataFrame, batch_id: int, now: datetime) -> None:
         """``stream.dedup = "state_store"``: the rows never reach the driver, only their counts by

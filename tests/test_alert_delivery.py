@@ -20,6 +20,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from alertmanager_fixture import Alertmanager, HttpReceiver
+from conftest import TEST_MQTT_LOGIN
 from prometheus_client import REGISTRY
 
 from gold.alerts.channels import DeliveryError, MqttChannel, WebhookChannel, channels_for
@@ -35,7 +36,7 @@ def make_settings(tmp_path: Path, mqtt_port: int = 0, **alerts) -> Settings:
     """Fast back-offs (the tests move ``now`` past them anyway), short timeouts."""
     return load_settings(
         environ={}, data_root=str(tmp_path / "lake"),
-        mqtt={"host": "127.0.0.1", "port": mqtt_port or free_port()},
+        mqtt={"host": "127.0.0.1", "port": mqtt_port or free_port(), **TEST_MQTT_LOGIN},
         alerts={"retry_seconds": 0.05, "retry_max_seconds": 0.4, "max_attempts": 20,
                 "timeout_seconds": 2.0, **alerts})
 
@@ -78,7 +79,7 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def mqtt_port(tmp_path_factory):
-    s = load_settings(environ={}, data_root=str(tmp_path_factory.mktemp("mosquitto")))
+    s = load_settings(environ={}, data_root=str(tmp_path_factory.mktemp("mosquitto")), mqtt=TEST_MQTT_LOGIN)
     broker = mosquitto_service(s, port=free_port()).start()
     yield broker.port
     broker.stop()
@@ -246,6 +247,7 @@ def test_mqtt_subscriber_gets_the_json_at_qos1(tmp_path, mqtt_port, protocol):
     subscribed = threading.Event()
     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"alerts-sub-{next(_seq)}",
                       protocol=mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311)
+    sub.username_pw_set(TEST_MQTT_LOGIN["username"], TEST_MQTT_LOGIN["password"])
     sub.on_message = lambda c, u, m: got.append(m)
     sub.on_subscribe = lambda c, u, mid, rc, p: subscribed.set()
     sub.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)

@@ -17,12 +17,11 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ingest.bridge import Bridge
-from ingest.simulator import generate, publish
+from ingest.simulator import generate, mqtt_client, publish
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
 from orchestration.services import free_port
@@ -179,7 +178,7 @@ def test_dead_letters(settings):
                        "topic_map": {f"t{n}/devices/+/telemetry": settings.kafka.topic}})
     good = generate(settings, 5, seed=2)
     with running(Bridge(s, "b-dlq")) as b:
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+        c = mqtt_client(s)
         c.connect(*s.mqtt_endpoint)
         c.loop_start()
         infos = [c.publish(m.topic, m.payload, qos=1) for m in good]
@@ -226,6 +225,7 @@ def _bridge_proc(settings: Settings, log: Path) -> subprocess.Popen:
         "IOTLAKE_MQTT__HOST": host, "IOTLAKE_MQTT__PORT": str(port),
         "IOTLAKE_MQTT__CLIENT_ID": settings.mqtt.client_id,
         "IOTLAKE_MQTT__TOPIC_FILTER": settings.mqtt.topic_filter,
+        "IOTLAKE_MQTT__USERNAME": settings.mqtt.username, "IOTLAKE_MQTT__PASSWORD": settings.mqtt.password,
         "IOTLAKE_BRIDGE__LOG_INTERVAL_SECONDS": "0.1",
     })
     out = open(log, "ab")
@@ -381,6 +381,7 @@ def test_cli_instances(settings, tmp_path):
         "IOTLAKE_MQTT__HOST": host, "IOTLAKE_MQTT__PORT": str(port),
         "IOTLAKE_MQTT__CLIENT_ID": settings.mqtt.client_id,
         "IOTLAKE_MQTT__TOPIC_FILTER": settings.mqtt.topic_filter,
+        "IOTLAKE_MQTT__USERNAME": settings.mqtt.username, "IOTLAKE_MQTT__PASSWORD": settings.mqtt.password,
         "IOTLAKE_BRIDGE__SHARE_GROUP": f"cli{settings.kafka.topic}",
     })
     log = tmp_path / "cli.log"

@@ -11,7 +11,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from fleets import SENSOR
 
-from ingest.simulator import format_ts, generate, publish
+from ingest.simulator import format_ts, generate, mqtt_client, publish
 
 START = datetime(2026, 11, 21, 22, 30, 0, 123000, tzinfo=UTC)
 
@@ -87,7 +87,7 @@ def test_publish_reaches_broker(settings):
     msgs = generate(settings, 3000, devices=5, seed=1, start=START)
     got: list[bytes] = []
     done = threading.Event()
-    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{settings.mqtt.client_id}-sub")
+    sub = mqtt_client(settings, f"{settings.mqtt.client_id}-sub")
     subscribed = threading.Event()
     sub.on_subscribe = lambda *a: subscribed.set()
 
@@ -123,7 +123,8 @@ def test_a_stalled_broker_does_not_keep_a_stopped_simulator_running(settings) ->
 
     port = free_port()
     s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=settings.data_root,
-                      mqtt={"host": "127.0.0.1", "port": port, "topic_filter": "stall/devices/+/telemetry"})
+                      mqtt={"host": "127.0.0.1", "port": port, "topic_filter": "stall/devices/+/telemetry",
+                            "username": settings.mqtt.username, "password": settings.mqtt.password})
     broker = mosquitto_service(s, port).start()
     stop, result = threading.Event(), []
     try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -15,6 +16,11 @@ from silver.sparkplug import EdgeNodeState, Output
 REPO = Path(__file__).resolve().parents[1]
 EDGE_PYTHON = REPO / ".venv-edge" / "bin" / "python"
 EDGE = Path(__file__).with_name("edge") / "sparkplug_node.py"
+
+
+def edge_env(s) -> dict[str, str]:
+    """The edge node's environment: the settings' MQTT login (not on its command line)."""
+    return {**os.environ, "MQTT_USERNAME": s.mqtt.username, "MQTT_PASSWORD": s.mqtt.password}
 T0 = 1_764_000_000_000
 MODEL = {"Pressure": "pressure_bar", "Running": "running", "Offset": "offset"}
 
@@ -223,12 +229,12 @@ def test_an_edge_node_through_mosquitto_the_bridge_kafka_bronze_and_silver(setti
     and silver (Spark's Kafka source, real Delta) resolve the aliases."""
     import time
 
-    import paho.mqtt.client as mqtt
     from deltalake import DeltaTable
     from test_bridge import consume, derive, running
 
     import bronze.stream
     from ingest.bridge import Bridge
+    from ingest.simulator import mqtt_client
     from lakehouse.streams import release_checkpoints
 
     group = f"g{time.time_ns()}"
@@ -241,9 +247,9 @@ def test_an_edge_node_through_mosquitto_the_bridge_kafka_bronze_and_silver(setti
         ("DDATA", 4, 3000, [by_alias(2, 4.7)]), ("DDEATH", 5, 4000))]
     host, port = s.mqtt_endpoint
     with running(Bridge(s, "b-sparkplug")):
-        subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)],
+        subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)], env=edge_env(s),
                        input=json.dumps(script), text=True, timeout=60, check=True)
-        cmd = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)  # a host's command: not a reading
+        cmd = mqtt_client(s)  # a host's command: not a reading
         cmd.connect(host, port)
         cmd.publish(f"spBv1.0/{group}/NCMD/gw1", rebirth_request(T0), qos=1).wait_for_publish(10)
         cmd.disconnect()
@@ -370,10 +376,10 @@ def test_the_bridge_asks_a_node_without_a_birth_for_a_rebirth(settings) -> None:
     import threading
     import time
 
-    import paho.mqtt.client as mqtt
     from test_bridge import derive, running
 
     from ingest.bridge import Bridge
+    from ingest.simulator import mqtt_client
 
     group = f"r{time.time_ns()}"
     s = derive(settings, telemetry={"sparkplug": True, "sparkplug_groups": [group], "status_rules": [],
@@ -386,7 +392,7 @@ def test_the_bridge_asks_a_node_without_a_birth_for_a_rebirth(settings) -> None:
         commands.append((m.topic, m.payload))
         got.set()
 
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    watcher = mqtt_client(s)
     watcher.on_message = on_message
     watcher.connect(host, port)
     watcher.subscribe(f"spBv1.0/{group}/NCMD/+", qos=1)
@@ -396,14 +402,14 @@ def test_the_bridge_asks_a_node_without_a_birth_for_a_rebirth(settings) -> None:
         data = [msg("DDATA", i, 1000 + i, [{"name": "Pressure", "datatype": "DOUBLE", "value": 1.0}], group=group)
                 for i in range(1, 4)]
         with running(Bridge(s, "b-rebirth")):
-            subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)],
+            subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)], env=edge_env(s),
                            input=json.dumps(data), text=True, timeout=60, check=True)
             assert got.wait(15), "no rebirth request"
             time.sleep(1.0)
             assert [t for t, _ in commands] == [f"spBv1.0/{group}/NCMD/gw1"]  # once, not per message
             born = [msg("NBIRTH", 0, 5000, group=group), msg("NDATA", 1, 5001, [
                 {"name": "Pressure", "datatype": "DOUBLE", "value": 2.0}], group=group)]
-            subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)],
+            subprocess.run([str(EDGE_PYTHON), str(EDGE), "publish", host, str(port)], env=edge_env(s),
                            input=json.dumps(born), text=True, timeout=60, check=True)
             time.sleep(1.0)
         assert len(commands) == 1

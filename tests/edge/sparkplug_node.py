@@ -5,13 +5,14 @@ messages on stdin, each ``{"type": "DDATA", "group": "g", "node": "n", "device":
 "timestamp": 1764000000000, "metrics": [{"name": "Pressure", "alias": 1, "datatype": "DOUBLE",
 "value": 4.2}, ...]}`` (a DEATH takes ``bd_seq`` instead of metrics for NDEATH), and either
 prints ``[{"topic": ..., "payload": hex}, ...]`` (``encode``) or publishes them with QoS 1
-(``publish HOST PORT``); ``decode`` reads ``[{"topic", "payload": hex}]`` and prints what
+(``publish HOST PORT``, as ``$MQTT_USERNAME`` / ``$MQTT_PASSWORD`` when set); ``decode`` reads ``[{"topic", "payload": hex}]`` and prints what
 pysparkplug decodes (aliases resolved from the births before them).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -68,7 +69,9 @@ def main() -> None:
                           for t, p in messages]))
         return
     host, port = sys.argv[2], int(sys.argv[3])
-    client = sp.Client(client_id=f"iotlake-test-edge-{time.time_ns()}")
+    client = sp.Client(client_id=f"iotlake-test-edge-{time.time_ns()}",
+                       username=os.environ.get("MQTT_USERNAME") or None,
+                       password=os.environ.get("MQTT_PASSWORD") or None)
     client.connect(host, port=port, blocking=False)
     time.sleep(0.5)
     for t, p in messages:
