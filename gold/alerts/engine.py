@@ -185,12 +185,14 @@ class AlertEngine:
                 site = d.get("site")
                 if site and t is not None:
                     self.heard[site] = max(self.heard.get(site, 0.0), t.timestamp())
+        snap = self.pipeline() if self.pipeline is not None else None
+        busy = any(q.get("in_batch") and q.get("source") == "kafka"
+                   for q in ((snap or {}).get("queries") or {}).values())
         if self.heard:
             evaluated.add("site_silent")
             known["site_silent"] = set(self.heard)
             conds += site_conditions(self.rules, self.heard, now, self.settings.gold.offline_after_seconds,
-                                     self.frontier, self.last_batch_at)
-        snap = self.pipeline() if self.pipeline is not None else None
+                                     self.frontier, self.last_batch_at, busy)
         if snap is not None:
             evaluated |= PIPELINE_KINDS
             conds += pipeline_conditions(self.rules, snap)

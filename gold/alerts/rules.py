@@ -64,20 +64,21 @@ def device_conditions(rules: list[AlertRuleSettings], devices: list[dict]) -> li
 
 def site_conditions(rules: list[AlertRuleSettings], heard: dict[str, float], now: float,
                     offline_after: float, frontier: float | None = None,
-                    arrived: float | None = None) -> list[Condition]:
+                    arrived: float | None = None, busy: bool = False) -> list[Condition]:
     """Sites none of whose devices was heard from for the rule's ``silent_seconds``;
     ``heard``: each site's latest reception (the pipeline's clock, epoch s).
 
-    While batches keep arriving (the last at wall time ``arrived``, within the bound) a site is
-    judged against ``frontier``, the latest reception any batch carried, not the wall clock:
-    a pipeline whose batches take longer than the bound is late, not silent (that is
-    ``pipeline_stale``'s to say). Once nothing has arrived for the bound, the wall clock."""
+    While batches keep arriving (the last at wall time ``arrived``, within the bound) or one is
+    under way (``busy``: the Kafka-sourced query is in a batch), a site is judged against
+    ``frontier``, the latest reception any batch carried, not the wall clock: a pipeline whose
+    batches take longer than the bound is late, not silent (that is ``pipeline_stale``'s to
+    say). Once nothing has arrived for the bound and nothing is under way, the wall clock."""
     out = []
     for r in rules:
         if r.kind != "site_silent":
             continue
         bound = r.silent_seconds or offline_after
-        flowing = frontier is not None and arrived is not None and now - arrived < bound
+        flowing = frontier is not None and arrived is not None and (now - arrived < bound or busy)
         clock = frontier if flowing else now
         for site, last in heard.items():
             if clock - last > bound:
