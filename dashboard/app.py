@@ -10,6 +10,7 @@ its last answer while the next one is computed.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import threading
 import time
@@ -40,6 +41,10 @@ STATIC = Path(__file__).parent / "static"
 PIPELINE_COLUMNS = ("query_name", "batch_id", "timestamp", "input_rows_per_second",
                     "processed_rows_per_second", "batch_duration_ms", "num_input_rows", "lag")
 MAX_POINTS = 1500  # raw points per metric sent to the browser (anomalies are always kept)
+EVENT_HOURS = 6.0  # "Recent events": what changed this long before each table's newest row
+SEVERITIES = ("critical", "warning", "info")
+_SEVERITY_RANK = "CASE severity " + " ".join(
+    f"WHEN '{s}' THEN {i}" for i, s in enumerate(SEVERITIES)) + f" ELSE {len(SEVERITIES)} END"
 
 
 @dataclass
@@ -81,7 +86,7 @@ class TableCache:
     hour-long soak, docs/benchmarks.md); an answer now lags the table by at most one refresh."""
 
     def __init__(self, settings: Settings, check_every: float = 1.0,
-                 preload: tuple[str, ...] = ("device_current",)) -> None:
+                 preload: tuple[str, ...] = ("device_current", "alerts_current")) -> None:
         self.settings, self.check_every, self.preload = settings, check_every, preload
         self._entries: dict[str, _Entry] = {}
         self._tables: dict[str, DeltaTable] = {}  # each used by its first open, then its refresh
@@ -204,6 +209,14 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+def _labels(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def records(table: pa.Table) -> list[dict[str, Any]]:
     return [{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()]
 
@@ -222,6 +235,7 @@ class Lake:
     def __init__(self, settings: Settings, check_every: float = 1.0) -> None:
         self.tables = TableCache(settings, check_every)
         self.metrics = [{"name": m.name, "unit": m.unit} for m in settings.telemetry.metrics if m.gold]
+        self.topics = list(settings.telemetry.topic_columns)  # device_current's, e.g. site
         self.memo = Memo()
         self._db = duckdb.connect(config={"threads": 2})
         self._db.execute("SET GLOBAL TimeZone = 'UTC'")
@@ -315,24 +329,92 @@ class Lake:
             for a, ms in zip(anomalies, epoch_ms(an["event_time"]), strict=True):
                 a["t"] = ms
         return {"device": info, "hours": hours, "since": _json_value(since.as_py()),
-                "metrics": self.metrics, "series": series, "points": points, "anomalies": anomalies}
+                "topics": [c for c in self.topics if c in info], "metrics": self.metrics, "series": series, "points": points, "anomalies": anomalies}
 
-    def events(self, limit: int) -> dict[str, Any]:
-        names = ("device_status_history", "anomalies")
+    def alerts(self, limit: int) -> dict[str, Any]:
+        """The open alerts (``alerts_current``), critical first, then newest first."""
+        snap = self.tables.get("alerts_current")
+        if snap is None:  # no `iotlake run` with alerts has written it yet
+            return {"total": 0, "by_severity": {}, "items": [], "version": -1}
 
         def compute() -> dict[str, Any]:
-            out: dict[str, Any] = {"status_changes": [], "anomalies": []}
-            if (h := self.tables.get("device_status_history")) is not None:
-                out["status_changes"] = records(self.sql(
-                    f"SELECT * FROM h WHERE previous_status IS NOT NULL "
-                    f"ORDER BY changed_at DESC, device_id LIMIT {limit}", h=h.dataset))
-            if (a := self.tables.get("anomalies")) is not None:
-                out["anomalies"] = records(self.sql(
-                    f"SELECT device_id, metric, event_time, value, score, baseline FROM a "
-                    f"ORDER BY event_time DESC, device_id LIMIT {limit}", a=a.dataset))
-            return out
+            t = snap.table
+            counts = self.sql("SELECT severity, count(*) AS n FROM t GROUP BY ALL", t=t).to_pylist()
+            items = records(self.sql(f"""
+                SELECT alert_id, rule, kind, severity, subject, device_id, site, starts_at, value,
+                       summary, labels, acknowledged, silenced, updated_at
+                FROM t ORDER BY {_SEVERITY_RANK}, starts_at DESC, alert_id DESC LIMIT {limit}""", t=t))
+            for a in items:
+                a["labels"] = _labels(a["labels"])
+            return {"total": t.num_rows, "version": snap.version, "items": items,
+                    "by_severity": {c["severity"]: c["n"] for c in sorted(
+                        counts, key=lambda c: (SEVERITIES.index(c["severity"])
+                                               if c["severity"] in SEVERITIES else 9))}}
 
-        return self.memo(("events", limit, self.tables.versions(*names)), compute)
+        return self.memo(("alerts", limit, snap.version), compute)
+
+    def events(self, limit: int, hours: float = EVENT_HOURS) -> dict[str, Any]:
+        names = ("device_status_history", "anomalies", "alerts")
+        key = ("events", limit, hours, self.tables.versions(*names))
+        return self.memo(key, lambda: self._events(limit, hours))
+
+    def _events(self, limit: int, hours: float) -> dict[str, Any]:
+        """What changed in the last ``hours`` before each table's newest row, grouped so that a
+        flapping fleet is a few lines: a device's status changes are one line (its latest, and
+        how many), an alert's transitions are one (its latest), and the alerts whose latest
+        transition is the same, of one rule, in one minute are one (a site's devices going
+        offline together); anomalies one line per device and metric."""
+        out: dict[str, Any] = {"hours": hours, "status_changes": [], "alert_transitions": [],
+                               "anomalies": [], "totals": {}}
+
+        def since(snap: Snapshot, col: str) -> str:
+            hi = snap.max_of(col)
+            return "TRUE" if hi is None else f"{col} >= TIMESTAMPTZ '{(hi - timedelta(hours=hours)).isoformat()}'"
+
+        if (h := self.tables.get("device_status_history")) is not None:
+            window = f"SELECT * FROM h WHERE previous_status IS NOT NULL AND {since(h, 'changed_at')}"
+            out["status_changes"] = records(self.sql(f"""
+                SELECT device_id, arg_max(status, changed_at) AS status,
+                       arg_max(previous_status, changed_at) AS previous_status,
+                       arg_max(reason, changed_at) AS reason, max(changed_at) AS changed_at,
+                       count(*) AS changes
+                FROM ({window}) GROUP BY device_id ORDER BY changed_at DESC, device_id
+                LIMIT {limit}""", h=h.dataset))
+            n, devices = self.sql(f"SELECT count(*), count(DISTINCT device_id) FROM ({window})",
+                                  h=h.dataset).to_pylist()[0].values()
+            out["totals"]["status_changes"] = {"changes": n, "devices": devices}
+        if (al := self.tables.get("alerts")) is not None:
+            window = f"SELECT * FROM al WHERE {since(al, 'changed_at')}"
+            out["alert_transitions"] = records(self.sql(f"""
+                WITH latest AS (
+                    SELECT rule, subject, arg_max(transition, changed_at) AS transition,
+                           arg_max(severity, changed_at) AS severity,
+                           arg_max(summary, changed_at) AS summary,
+                           arg_max(alert_id, changed_at) AS alert_id,
+                           arg_max(device_id, changed_at) AS device_id,
+                           max(changed_at) AS changed_at, count(*) AS transitions
+                    FROM ({window}) GROUP BY rule, subject)
+                SELECT rule, transition, any_value(severity) AS severity, max(changed_at) AS changed_at,
+                       count(*) AS subjects, sum(transitions)::BIGINT AS transitions,
+                       list(subject ORDER BY changed_at DESC, subject)[1:3] AS sample,
+                       arg_max(summary, changed_at) AS summary, arg_max(alert_id, changed_at) AS alert_id,
+                       arg_max(device_id, changed_at) AS device_id
+                FROM latest GROUP BY rule, transition, time_bucket(INTERVAL 1 MINUTE, changed_at)
+                ORDER BY changed_at DESC, rule, transition LIMIT {limit}""", al=al.dataset))
+            out["totals"]["alert_transitions"] = self.sql(
+                f"SELECT count(*) AS n FROM ({window})", al=al.dataset).to_pylist()[0]["n"]
+        if (a := self.tables.get("anomalies")) is not None:
+            window = f"SELECT * FROM a WHERE {since(a, 'event_time')}"
+            out["anomalies"] = records(self.sql(f"""
+                SELECT device_id, metric, max(event_time) AS event_time,
+                       arg_max(value, event_time) AS value, arg_max(baseline, event_time) AS baseline,
+                       max(score) AS score, count(*) AS count
+                FROM ({window}) GROUP BY device_id, metric ORDER BY event_time DESC, device_id, metric
+                LIMIT {limit}""", a=a.dataset))
+            n, devices = self.sql(f"SELECT count(*), count(DISTINCT device_id) FROM ({window})",
+                                  a=a.dataset).to_pylist()[0].values()
+            out["totals"]["anomalies"] = {"count": n, "devices": devices}
+        return out
 
     def pipeline(self) -> dict[str, Any]:
         return self.memo.latest("pipeline", lambda: self.tables.versions("pipeline_metrics", "quality_log"),
@@ -466,8 +548,13 @@ def create_app(settings: Settings, token: str | None = None, check_every: float 
         return lake.device(device_id, hours)
 
     @app.get("/api/events", dependencies=guarded)
-    def events(limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
-        return lake.events(limit)
+    def events(limit: int = Query(50, ge=1, le=500),
+               hours: float = Query(EVENT_HOURS, gt=0, le=24 * 7)) -> dict[str, Any]:
+        return lake.events(limit, hours)
+
+    @app.get("/api/alerts", dependencies=guarded)
+    def alerts(limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
+        return lake.alerts(limit)
 
     @app.get("/api/pipeline", dependencies=guarded)
     def pipeline() -> dict[str, Any]:

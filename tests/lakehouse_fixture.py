@@ -220,3 +220,61 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
         "quarantined": len(qrows),
         "quarantine_rate": len(qrows) / sum(per_batch + x for x in bad),
     }
+
+
+def write_alerts(settings: Settings, facts: dict[str, Any], flapper: str = "dev-0000",
+                 flaps: int = 6) -> dict[str, Any]:
+    """``alerts`` and ``alerts_current`` as the engine writes them for ``build_lakehouse``'s fleet,
+    and ``flapper`` (an online device) flapping: ``flaps`` times degraded and back in
+    ``device_status_history``, each an alert fired and resolved. The open alerts: every offline
+    device's ``DeviceOffline`` (fired in one burst, the first one acknowledged), ``PipelineStale``
+    on silver, the anomaly's ``HighTemperature`` (silenced). Returns what tests assert on."""
+    now, an = facts["now"], facts["anomaly"]
+    offline = sorted(d for d, s in facts["status"].items() if s == "offline")
+    burst = now - timedelta(minutes=15)
+    rows: list[dict[str, Any]] = []
+    current: list[dict[str, Any]] = []
+    ids = iter(range(1, 10_000))
+
+    def alert(rule: str, kind: str, severity: str, subject: str, device: str | None, at: datetime,
+              summary: str, value: float | None, ack: bool = False, silenced: bool = False,
+              resolved_at: datetime | None = None) -> int:
+        a = {"alert_id": next(ids), "fingerprint": f"{rule}|{subject}", "rule": rule, "kind": kind,
+             "severity": severity, "subject": subject, "device_id": device, "site": None,
+             "starts_at": at, "value": value, "summary": summary,
+             "labels": json.dumps({"alertname": rule, "severity": severity,
+                                   **({"device_id": device} if device else {"query": subject})})}
+        rows.append({**a, "status": "firing", "transition": "firing", "changed_at": at, "ends_at": None})
+        if ack:
+            rows.append({**a, "status": "firing", "transition": "acknowledged",
+                         "changed_at": now - timedelta(minutes=10), "ends_at": None})
+        if resolved_at is not None:
+            rows.append({**a, "status": "resolved", "transition": "resolved",
+                         "changed_at": resolved_at, "ends_at": resolved_at})
+        else:
+            current.append({**a, "status": "firing", "ends_at": None, "acknowledged": ack,
+                            "silenced": silenced, "updated_at": now})
+        return a["alert_id"]
+
+    for i, d in enumerate(offline):
+        alert("DeviceOffline", "device_offline", "warning", d, d, burst + timedelta(seconds=i / 2),
+              f"{d} offline: nothing received for 120 s", 120.0, ack=i == 0)
+    alert("PipelineStale", "pipeline_stale", "critical", "silver", None, now - timedelta(minutes=5),
+          "query silver: no progress for 75 s", 75.0)
+    alert("HighTemperature", "threshold", "info", an["device_id"], an["device_id"], an["event_time"],
+          f"{an['device_id']} temperature above 60 for 0 s", an["value"], silenced=True)
+    hist: dict[str, list[Any]] = {f: [] for f in SCHEMAS["device_status_history"].names}
+    first = now - timedelta(minutes=2 * flaps)  # the last flap ends a minute ago
+    for k in range(flaps):
+        down, up = first + timedelta(minutes=2 * k), first + timedelta(minutes=2 * k + 1)
+        alert("DeviceDegraded", "device_degraded", "warning", flapper, flapper, down,
+              f"{flapper} degraded: error", None, resolved_at=up)
+        for st, prev, at, reason in (("degraded", "online", down, "error"), ("online", "degraded", up, "data")):
+            for f, v in (("device_id", flapper), ("status", st), ("previous_status", prev),
+                         ("changed_at", at), ("reason", reason)):
+                hist[f].append(v)
+    write(settings, "device_status_history", hist, mode="append")
+    write(settings, "alerts", pa.Table.from_pylist(rows, schema=SCHEMAS["alerts"]))
+    write(settings, "alerts_current", pa.Table.from_pylist(current, schema=SCHEMAS["alerts_current"]))
+    return {"offline": offline, "burst": burst, "flapper": flapper, "flaps": flaps,
+            "open": len(current), "transitions": len(rows)}

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from dashboard.app import Memo, TableCache, create_app
 from lakehouse.settings import Settings, load_settings
 from orchestration.query import run_query
 from orchestration.services import free_port
-from tests.lakehouse_fixture import build_lakehouse, write
+from tests.lakehouse_fixture import build_lakehouse, write, write_alerts
 
 TOKEN = "test-token-123"
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Sett
     """A lakehouse plus the dashboard serving it over HTTP on a free loopback port."""
     settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path_factory.mktemp("dash") / "lake"))
     facts = build_lakehouse(settings, devices=60, hours=2)
+    facts["alerts"] = write_alerts(settings, facts)
     with serve(create_app(settings, token=TOKEN, check_every=0.0)) as base:
         yield base, settings, facts
 
@@ -97,10 +99,59 @@ def test_api(served) -> None:
     assert get(base, "/api/device/dev-9999").status_code == 404
     assert get(base, "/api/device/dev-0001?hours=0").status_code == 422
 
+    offline_dev = next(d for d, s in facts["status"].items() if s == "offline")
+    assert get(base, f"/api/device/{offline_dev}").json()["device"]["status_reason"] == "no_data"
+
+    # open alerts: critical first, then newest first; acknowledged and silenced flagged
+    al = facts["alerts"]
+    alerts = get(base, "/api/alerts").json()
+    assert alerts["total"] == al["open"] == len(al["offline"]) + 2
+    assert list(alerts["by_severity"].items()) == [("critical", 1), ("warning", len(al["offline"])), ("info", 1)]
+    assert [(a["rule"], a["subject"]) for a in alerts["items"]] == [
+        ("PipelineStale", "silver"), *[("DeviceOffline", d) for d in reversed(al["offline"])],
+        ("HighTemperature", an["device_id"])]
+    flags = {a["subject"]: (a["acknowledged"], a["silenced"]) for a in alerts["items"]}
+    assert flags[al["offline"][0]] == (True, False) and flags[an["device_id"]] == (False, True)
+    assert sum(a + b for a, b in flags.values()) == 2
+    stale = alerts["items"][0]
+    assert stale["labels"] == {"alertname": "PipelineStale", "severity": "critical", "query": "silver"}
+    assert stale["starts_at"] == (facts["now"] - timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
+    assert stale["summary"] == "query silver: no progress for 75 s" and stale["value"] == 75.0
+    assert [a["rule"] for a in get(base, "/api/alerts?limit=2").json()["items"]] == ["PipelineStale", "DeviceOffline"]
+    assert get(base, "/api/alerts?limit=0").status_code == 422
+
+    # recent events: a device's status changes are one line, an alert burst or flap is one line
     events = get(base, "/api/events").json()
+    not_online = {d: s for d, s in facts["status"].items() if s != "online"}
     changed = {e["device_id"]: e["status"] for e in events["status_changes"]}
-    assert changed == {d: s for d, s in facts["status"].items() if s != "online"}
+    assert changed == {**not_online, al["flapper"]: "online"}
+    flap = next(e for e in events["status_changes"] if e["device_id"] == al["flapper"])
+    assert (flap["previous_status"], flap["status"], flap["reason"], flap["changes"]) == (
+        "degraded", "online", "data", 2 * al["flaps"])
+    assert events["totals"]["status_changes"] == {"changes": len(not_online) + 2 * al["flaps"],
+                                                  "devices": len(not_online) + 1}
+    assert {e["reason"] for e in events["status_changes"] if e["status"] == "offline"} == {"no data for 10 min"}
+    latest3 = get(base, "/api/events?limit=3").json()
+    assert latest3["status_changes"] == sorted(events["status_changes"], key=lambda e: e["changed_at"],
+                                               reverse=True)[:3]
+    assert latest3["totals"] == events["totals"]
+    k = len(al["offline"])
+    assert [(t["rule"], t["transition"], t["subjects"], t["transitions"], t["sample"])
+            for t in events["alert_transitions"]] == [
+        ("DeviceDegraded", "resolved", 1, 2 * al["flaps"], [al["flapper"]]),
+        ("PipelineStale", "firing", 1, 1, ["silver"]),
+        ("DeviceOffline", "acknowledged", 1, 2, [al["offline"][0]]),
+        ("DeviceOffline", "firing", k - 1, k - 1, al["offline"][::-1][:3]),
+        ("HighTemperature", "firing", 1, 1, [an["device_id"]])]
+    assert events["totals"]["alert_transitions"] == al["transitions"] == k + 1 + 1 + 1 + 2 * al["flaps"]
     assert [a["device_id"] for a in events["anomalies"]] == [an["device_id"]]
+    assert events["anomalies"][0]["count"] == 1 and events["totals"]["anomalies"] == {"count": 1, "devices": 1}
+    # a 6-minute window, up to the newest change: the devices whose latest change is in it
+    short = get(base, "/api/events?hours=0.1").json()
+    newest = max(datetime.fromisoformat(e["changed_at"]) for e in events["status_changes"])
+    assert [e["device_id"] for e in short["status_changes"]] == [
+        e["device_id"] for e in events["status_changes"]
+        if datetime.fromisoformat(e["changed_at"]) >= newest - timedelta(minutes=6)]
 
     pipe = get(base, "/api/pipeline").json()
     assert [q["query_name"] for q in pipe["queries"]] == ["bronze", "gold", "silver"]
@@ -154,6 +205,27 @@ def test_a_request_gets_the_last_snapshot_while_the_next_is_read(tmp_path: Path)
     while cache.refreshing("device_current"):
         time.sleep(0.01)
     assert cache.get("device_current") is snap  # no new version: the same snapshot
+
+
+def test_a_lake_without_alerts_or_the_new_device_columns(tmp_path: Path) -> None:
+    """A lake written before alerts (no alerts tables, device_current without status_reason,
+    last_received or topic columns) is shown as it is: no open alerts, no error."""
+    from deltalake import write_deltalake
+
+    from dashboard.app import Lake
+
+    settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path / "lake"))
+    facts = build_lakehouse(settings, devices=6, hours=1)
+    old = run_query(settings, "SELECT * FROM device_current").drop_columns(["status_reason", "last_received"])
+    write_deltalake(settings.table_path("device_current"), old, mode="overwrite", schema_mode="overwrite")
+    lake = Lake(settings, check_every=0.0)
+    assert lake.alerts(50) == {"total": 0, "by_severity": {}, "items": [], "version": -1}
+    events = lake.events(50)
+    assert events["alert_transitions"] == [] and "alert_transitions" not in events["totals"]
+    assert len(events["status_changes"]) == sum(s != "online" for s in facts["status"].values())
+    device = lake.device("dev-0001", 1)
+    assert device["topics"] == [] and "status_reason" not in device["device"]
+    assert lake.fleet()["by_status"] == facts["fleet"]
 
 
 def test_latest_serves_the_previous_answer_while_the_next_is_computed() -> None:
@@ -363,8 +435,31 @@ def test_browser_shows_fleet_device_and_anomaly(served) -> None:
             assert page.locator('figure[data-metric="temperature"] .pt').count() > 100
             assert page.locator("#anomaly-events li[data-event=anomaly]").count() == 1
             assert page.locator("#queries tr").count() == 3
-            assert page.locator("#status-events li[data-event=status]").count() == sum(
-                n for s, n in facts["fleet"].items() if s != "online")
+            al = facts["alerts"]
+            changed = sum(n for s, n in facts["fleet"].items() if s != "online") + 1  # + the flapper
+            assert page.locator("#status-events li[data-event=status]").count() == 20  # the page's limit
+            assert page.text_content("#status-summary") == (
+                f"{changed - 1 + 2 * al['flaps']} changes on {changed} devices · the 20 latest devices shown")
+            assert page.text_content(f'#status-events li[data-device="{al["flapper"]}"] [data-flap]') == \
+                f"{2 * al['flaps']} changes"
+            assert page.locator("#alert-events li[data-event=alert]").count() == 5
+            burst = page.locator('#alert-events li[data-rule="DeviceOffline"][data-transition="firing"]')
+            assert burst.get_attribute("data-subjects") == str(len(al["offline"]) - 1)
+            assert burst.locator("a[data-link]").count() == 3  # a sample, not the whole burst
+
+            # open alerts: critical first; flags; a device's alert opens the device
+            rows = page.locator("#alerts tr[data-alert]")
+            assert rows.count() == al["open"]
+            assert rows.first.get_attribute("data-severity") == "critical"
+            assert rows.last.get_attribute("data-severity") == "info"
+            assert page.locator("#alerts [data-flag=acknowledged]").count() == 1
+            assert page.locator("#alerts [data-flag=silenced]").count() == 1
+            assert page.text_content('#alert-counts [data-severity-count="critical"]') == "1 critical"
+            page.click(f'#alerts a[data-link="{al["offline"][-1]}"]')
+            page.wait_for_selector(f'#device-title[data-device="{al["offline"][-1]}"]')
+            assert "(no_data)" in page.text_content("#device-meta")
+            page.click(f'#devices tr[data-device="{an["device_id"]}"]')
+            page.wait_for_selector(f'#device-title[data-device="{an["device_id"]}"]')
 
             page.fill("#q", "")  # a full device list for the screenshot; the selection stays
             expect(page.locator("#devices tr")).to_have_count(25)

@@ -67,7 +67,8 @@ function renderDevices(d) {
   $("devices").replaceChildren(...d.items.map((x) => el("tr", {
     "data-device": x.device_id, class: x.device_id === state.device ? "selected" : "",
     onclick: () => selectDevice(x.device_id),
-  }, el("td", {}, x.device_id), el("td", {}, badge(x.status)),
+  }, el("td", {}, x.device_id), el("td", {}, badge(x.status),
+     x.status !== "online" && x.status_reason ? el("span", { class: "muted reason" }, " " + x.status_reason) : ""),
      el("td", { title: x.status_since }, fmtDateTime(x.status_since)), el("td", {}, fmtTime(x.last_seen)))));
   const pages = Math.max(1, Math.ceil(d.total / state.size));
   $("page-info").textContent = `${d.total.toLocaleString()} devices · page ${state.page} / ${pages}`;
@@ -135,7 +136,11 @@ function renderDevice(d) {
   $("device-status").className = "badge " + dev.status;
   $("device-status").dataset.status = dev.status;
   $("device-status").textContent = dev.status;
-  $("device-meta").textContent = `since ${fmtDateTime(dev.status_since)} · last seen ${fmtDateTime(dev.last_seen)}` +
+  const topics = (d.topics || []).filter((c) => dev[c]).map((c) => ` · ${c} ${dev[c]}`).join("");
+  const why = dev.status_reason && dev.status !== "online" ? ` (${dev.status_reason})` : "";
+  $("device-meta").textContent = `${why} since ${fmtDateTime(dev.status_since)}` +
+    ` · last seen ${fmtDateTime(dev.last_seen)}` +
+    (dev.last_received ? ` · received ${fmtTime(dev.last_received)}` : "") + topics +
     ` · ${d.anomalies.length} anomal${d.anomalies.length === 1 ? "y" : "ies"} in range`;
   // The x axis spans the requested range, or less when the device's data starts later.
   const t1 = Date.parse(dev.last_seen || new Date().toISOString());
@@ -150,16 +155,70 @@ function renderDevice(d) {
   }));
 }
 
+const link = (id) => el("a", { onclick: () => selectDevice(id), "data-link": id }, id);
+const chip = (text, attrs = {}) => el("span", { class: "chip", ...attrs }, text);
+const plural = (n, one, many) => `${fmtNum(n, 0)} ${n === 1 ? one : many}`;
+
+function renderAlerts(a) {
+  const counts = Object.entries(a.by_severity);
+  $("alert-counts").replaceChildren(...counts.map(([s, n]) =>
+    el("span", { class: "count " + s, "data-severity-count": s }, `${fmtNum(n, 0)} ${s}`)));
+  $("alerts").replaceChildren(...a.items.map((x) => el("tr", {
+    "data-alert": x.alert_id, "data-severity": x.severity, "data-rule": x.rule,
+  }, el("td", {}, badge(x.severity)), el("td", { class: "rule" }, x.rule),
+     el("td", {}, x.device_id ? link(x.device_id) : x.subject),
+     el("td", { title: x.starts_at }, fmtDateTime(x.starts_at)),
+     el("td", { class: "summary", title: x.summary || "" }, x.summary || ""),
+     el("td", {}, fmtNum(x.value, 2)),
+     el("td", {}, ...(x.acknowledged ? [chip("acked", { "data-flag": "acknowledged" })] : []),
+        ...(x.silenced ? [chip("silenced", { "data-flag": "silenced" })] : [])))));
+  if (!a.items.length) {
+    $("alerts").append(el("tr", {}, el("td", { class: "muted", colspan: 7 },
+      a.version < 0 ? "no alerts evaluated yet (iotlake run writes alerts_current)" : "no open alerts")));
+  }
+  $("alerts-more").textContent = a.total > a.items.length ? `${a.items.length} of ${a.total} shown` : "";
+}
+
+function subjects(t) {
+  if (t.subjects === 1) return [t.device_id ? link(t.device_id) : el("span", {}, t.sample[0]), " ",
+    el("span", { class: "muted" }, t.summary || "")];
+  const more = t.subjects - t.sample.length;
+  return [el("span", { class: "muted" }, `${plural(t.subjects, "subject", t.device_id ? "devices" : "subjects")}: `),
+    ...t.sample.flatMap((s, i) => [i ? ", " : "", t.device_id ? link(s) : s]), more > 0 ? ` +${more}` : ""];
+}
+
 function renderEvents(e) {
-  const link = (id) => el("a", { onclick: () => selectDevice(id) }, id);
-  $("status-events").replaceChildren(...e.status_changes.map((c) => el("li", { "data-event": "status" },
-    el("time", {}, fmtDateTime(c.changed_at)), link(c.device_id), " ", badge(c.previous_status), " → ",
-    badge(c.status), " ", el("span", { class: "muted" }, c.reason || ""))));
+  $("events-window").textContent = `(last ${e.hours} h)`;
+  const tot = e.totals;
+  const shown = (items, n, what) => items.length < n ? ` · the ${items.length} latest ${what} shown` : "";
+  const at = tot.alert_transitions;
+  $("alert-summary").textContent = at == null ? "" : plural(at, "transition", "transitions");
+  $("alert-events").replaceChildren(...e.alert_transitions.map((t) => el("li", {
+    "data-event": "alert", "data-rule": t.rule, "data-transition": t.transition, "data-subjects": t.subjects,
+  }, el("time", {}, fmtDateTime(t.changed_at)), badge(t.severity), " ", el("b", {}, t.rule), " ",
+     el("span", { class: "transition " + t.transition }, t.transition), " ", ...subjects(t),
+     t.transitions > t.subjects ? chip(plural(t.transitions, "transition", "transitions")) : "")));
+  if (!e.alert_transitions.length) $("alert-events").append(el("li", { class: "muted" }, "none"));
+
+  const sc = tot.status_changes;
+  $("status-summary").textContent = sc == null ? "" :
+    `${plural(sc.changes, "change", "changes")} on ${plural(sc.devices, "device", "devices")}` +
+    shown(e.status_changes, sc.devices, "devices");
+  $("status-events").replaceChildren(...e.status_changes.map((c) => el("li", {
+    "data-event": "status", "data-device": c.device_id, "data-changes": c.changes,
+  }, el("time", {}, fmtDateTime(c.changed_at)), link(c.device_id), " ", badge(c.previous_status), " → ",
+     badge(c.status), " ", el("span", { class: "muted" }, c.reason || ""),
+     c.changes > 1 ? chip(plural(c.changes, "change", "changes"), { "data-flap": c.changes }) : "")));
   if (!e.status_changes.length) $("status-events").append(el("li", { class: "muted" }, "none"));
+
+  const an = tot.anomalies;
+  $("anomaly-summary").textContent = an == null ? "" :
+    `${plural(an.count, "anomaly", "anomalies")} on ${plural(an.devices, "device", "devices")}`;
   $("anomaly-events").replaceChildren(...e.anomalies.map((a) => el("li", { "data-event": "anomaly" },
     el("time", {}, fmtDateTime(a.event_time)), link(a.device_id), " ",
     el("span", { class: "anomaly-text" }, `${a.metric} ${fmtNum(a.value, 2)}`),
-    el("span", { class: "muted" }, ` (baseline ${fmtNum(a.baseline, 2)}, score ${fmtNum(a.score, 1)})`))));
+    el("span", { class: "muted" }, ` (baseline ${fmtNum(a.baseline, 2)}, score ${fmtNum(a.score, 1)})`),
+    a.count > 1 ? chip(plural(a.count, "reading", "readings")) : "")));
   if (!e.anomalies.length) $("anomaly-events").append(el("li", { class: "muted" }, "none"));
 }
 
@@ -200,7 +259,8 @@ function showError(err) {
 async function refresh() {
   const jobs = [
     api("/api/fleet").then(renderFleet), api(devicesUrl()).then(renderDevices),
-    api("/api/events").then(renderEvents), api("/api/pipeline").then(renderPipeline), loadDevice(),
+    api("/api/alerts?limit=200").then(renderAlerts), api("/api/events?limit=20").then(renderEvents),
+    api("/api/pipeline").then(renderPipeline), loadDevice(),
   ];
   const results = await Promise.allSettled(jobs);
   const failed = results.find((r) => r.status === "rejected");
