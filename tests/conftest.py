@@ -162,7 +162,7 @@ def pytest_sessionstart(session) -> None:
 # workers taking whole files, a long file started last would leave one worker idle while the
 # other finishes it. `make test` passes --no-loadscope-reorder: xdist would otherwise order files
 # by their number of tests.
-_LONG_FILES = ("test_bench_processes.py", "test_chaos.py", "test_benchmarks.py", "test_gold.py",
+_LONG_FILES = ("test_bench_processes.py", "test_chaos.py", "test_benchmarks.py", "test_alerts_pipeline.py", "test_gold.py",
                "test_scaleout.py", "test_fleet.py", "test_bridge.py", "test_pipeline.py",
                "test_dags.py", "test_sparkplug.py", "test_scaleout_s3.py", "test_quickstart.py",
                "test_maintenance.py", "test_backfill.py", "test_run_restart.py", "test_status.py",
