@@ -167,7 +167,7 @@ class Readers:
         from dashboard.app import create_app
 
         self.settings = settings
-        self.client = TestClient(create_app(settings))
+        self.client = TestClient(create_app(settings), base_url="http://localhost")
 
     def dashboard_ms(self, calls: int = 3) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}

@@ -488,7 +488,7 @@ def test_pump_fleet_end_to_end(settings, spark) -> None:
     cur = DeltaTable(s.table_path("device_current")).to_pandas()
     assert len(cur) == 6 and cur.pressure.notna().all()
 
-    api = TestClient(create_app(s))
+    api = TestClient(create_app(s), base_url="http://localhost")
     dev = cur.device_id.iloc[0]
     d = api.get(f"/api/device/{dev}", params={"hours": 1}).json()
     assert [m["name"] for m in d["metrics"]] == ["pressure", "flow", "vibration", "rpm"]

@@ -50,7 +50,7 @@ def test_a_running_pipeline_is_healthy_idle_and_unhealthy_once_a_query_stops(
         settings: Settings, spark, capsys, tmp_path: Path) -> None:
     settings.alerts.rules = [AlertRuleSettings(name="Stale", kind="pipeline_stale", stale_seconds=15)]
     cfg = settings.save(tmp_path / "settings.json")
-    health = TestClient(create_app(settings, check_every=0.0))
+    health = TestClient(create_app(settings, check_every=0.0), base_url="http://localhost")
     with bridge_thread(settings) as bridge:
         running = Running(spark, settings, start_layers(spark, settings))
         try:
