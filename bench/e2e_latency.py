@@ -148,8 +148,10 @@ def run_once(args: argparse.Namespace, rate: float) -> dict:
         sim_start = time.monotonic()
         time.sleep(args.warmup)
         if rate > 0:  # a first batch (planning, code generation) is no steady-state latency
+            # not required: a pipeline that falls behind (a rate the cores cannot keep) is a
+            # figure too, and the other rates' runs are not lost
             _wait(lambda: any(Path(settings.checkpoint_path("gold_health"), "commits").glob("[0-9]*")),
-                  180, "gold health's first batch")
+                  180, "gold health's first batch", required=False)
         sample_from = time.time()
         cpu_from, busy_from = _cpu_by_role(), _machine_busy_s()
         watcher = threading.Thread(target=_watch, args=(settings, published, silver_seen, current_seen, stop))
@@ -252,13 +254,16 @@ def _machine_busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait(pred, timeout: float, what: str) -> None:
+def _wait(pred, timeout: float, what: str, required: bool = True) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
-            return
+            return True
         time.sleep(0.5)
-    raise SystemExit(f"timed out waiting for {what}")
+    if required:
+        raise SystemExit(f"timed out waiting for {what}")
+    print(f"# timed out waiting for {what}: sampling anyway", flush=True)
+    return False
 
 
 def _probe(settings, published: dict[str, float], rate: float, seconds: float) -> None:
