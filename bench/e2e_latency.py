@@ -5,8 +5,8 @@ Runs ``iotlake run`` (embedded Mosquitto + Apache Kafka, bridge, all streams) an
 ``dev-99999``, event time = publish time) and watches the Delta logs: a probe is "in silver"
 when a committed silver version contains its event_id, and "in device_current" when the
 table's row for the probe device has ``last_seen`` >= the probe's time. Probes start after
-``--warmup`` and gold health's first committed batch (a short run would otherwise end before
-gold's cold first batch and measure nothing), and the run waits for the last ones to reach
+``--warmup`` and gold health's first committed batch (at most 180 s more; a short run would
+otherwise end before gold's cold first batch and measure nothing), and the run waits for the last ones to reach
 both tables (at most 60 s). Last line: one JSON
 object with ``silver_p50_s``, ``silver_p99_s``, ``current_p99_s``, ``events`` and the trigger
 settings used. ``--rates 0,200,1000,5000`` runs once per rate (a fresh data root each) and ends with
