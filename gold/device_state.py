@@ -19,9 +19,11 @@ received nothing from it (silver's ``ingest_time``) for ``offline_after_seconds`
 batch's clock (``batchTimestampMs`` in the offsets log: a replay sees the same). A batch that
 read silver rows judges as of the newest row's ``ingest_time`` instead, when earlier: a stream
 catching up (after a restart, or behind) has not read what its devices sent since, and takes no
-device offline for it. The ticks (``gold/ticks.py``) run a batch when no data comes. A backfill
-or reprocess (``available_now``) keeps the event-time rule alone. A checkpoint from before the
-ticks (one source: Spark cannot add one) runs without them, with a warning.
+device offline for it; and silence counts from the live run's start at the earliest
+(``gold.ticks.LiveStarts``): what devices sent while the pipeline was down waits upstream. The
+ticks (``gold/ticks.py``) run a batch when no data comes. A backfill or reprocess
+(``available_now``) keeps the event-time rule alone. A checkpoint from before the ticks (one
+source: Spark cannot add one) runs without them, with a warning.
 
 Durability mirrors a state store changelog: before the batch's tables commit, the devices it
 changed are written to ``<checkpoint>/device_state/<batch>.changes.arrow``, or the whole state to
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import partial
 from pathlib import Path
 
@@ -61,7 +64,7 @@ from gold.health import (
     time_out,
     time_out_received,
 )
-from gold.ticks import TickTimer, batch_time_ms
+from gold.ticks import LiveStarts, TickTimer, batch_time_ms
 from lakehouse import delta_txn, observers
 from lakehouse.concurrent_writes import run_at_once
 from lakehouse.delta_read import open_table
@@ -223,6 +226,9 @@ class DriverHealthBatch:
         self.out_types = dict(c.split() for c in out_schema(self.metrics, self.rules.topics).split(", "))
         self.store = DeviceStateStore(checkpoint, self.metrics, self.cfg, self.rules.topics)
         self.wall_clock = wall_clock
+        self.starts = LiveStarts(checkpoint) if wall_clock else None
+        if self.starts is not None:
+            self.starts.begin(int(time.time() * 1000))
         # a deadline already past is ticked one trigger on: a batch in between re-arms the timer
         trigger_s = settings.stream.gold_trigger_seconds
         trigger_s = settings.stream.trigger_seconds if trigger_s < 0 else trigger_s
@@ -263,13 +269,14 @@ class DriverHealthBatch:
             received = pc.max(rows.column("ingest_time")).value  # newest silver row read, us
             if received is not None:
                 now = min(now, received // 1000)
-            changed = np.union1d(changed, time_out_received(devs, now, self.timeout_ms, out))
+            since = self.starts.since(batch_id)
+            changed = np.union1d(changed, time_out_received(devs, now, since, self.timeout_ms, out))
         add_current(devs, changed, out, self.rules)
         self.store.save(batch_id, changed)  # durable before anything of the batch commits
         if out.parts:
             self.write(df.sparkSession, out, batch_id)
         if self.timer is not None:
-            self.timer.set(next_due(devs, self.timeout_ms))
+            self.timer.set(next_due(devs, self.starts.since(batch_id), self.timeout_ms))
         note_batch(self.app_id, batch_id, state_rows=len(devs.ids),
                    rows_dropped_by_watermark=rows.num_rows - ticks - batch.num_rows)
 

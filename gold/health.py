@@ -433,19 +433,20 @@ def _live(devs: Bucket) -> np.ndarray:
             & (devs.last_received != _NONE))
 
 
-def time_out_received(devs: Bucket, now_ms: int, timeout_ms: int, out: Rows) -> np.ndarray:
+def time_out_received(devs: Bucket, now_ms: int, since_ms: int, timeout_ms: int, out: Rows) -> np.ndarray:
     """The wall-clock rule: take the devices the pipeline received nothing from for
-    ``timeout_ms`` as of ``now_ms`` offline, as of last received + timeout; returns their positions."""
-    due = devs.last_received + timeout_ms
+    ``timeout_ms`` as of ``now_ms``, counted from their last reading or from ``since_ms`` (the
+    live run's start) if later, offline as of then + timeout; returns their positions."""
+    due = np.maximum(devs.last_received, since_ms) + timeout_ms
     went = np.flatnonzero(_live(devs) & (due <= now_ms))
     go_offline(devs, went, due[went], "no_data", out)
     return went
 
 
-def next_due(devs: Bucket, timeout_ms: int) -> int | None:
+def next_due(devs: Bucket, since_ms: int, timeout_ms: int) -> int | None:
     """When the wall-clock rule takes its next device offline (epoch ms; None: no device to)."""
     live = _live(devs)
-    return int(devs.last_received[live].min()) + timeout_ms if live.any() else None
+    return max(int(devs.last_received[live].min()), since_ms) + timeout_ms if live.any() else None
 
 
 def add_current(devs: Bucket, cur: np.ndarray, out: Rows, rules: Rules) -> None:

@@ -713,13 +713,18 @@ def test_a_backfill_never_takes_a_device_offline_by_the_wall_clock(spark, gold_s
     assert history_rows(s) == [("dev-old", "online", None, T0, "data")]
     assert current(s, "dev-old")["last_received"] == old[-1]["ingest_time"]
 
-    q = gold.health.start(spark, s)  # live: dev-old was received long ago
+    # live: dev-old was received long ago, its silence counts from the run's start (its data
+    # could be waiting upstream of a pipeline that was down)
+    before = now_ms()
+    q = gold.health.start(spark, s)
+    after = now_ms()
     try:
         wait_for("offline", lambda: (c := status_now(s, "dev-old")) and c["status"] == "offline", 60)
     finally:
         q.stop()
-    gone = old[-1]["ingest_time"] + timedelta(seconds=5)
-    assert history_rows(s)[-1] == ("dev-old", "offline", "online", gone, "no_data")
+    *_, (device, status, previous, gone, reason) = history_rows(s)
+    assert (device, status, previous, reason) == ("dev-old", "offline", "online", "no_data")
+    assert before + timedelta(seconds=5) <= gone <= after + timedelta(seconds=5)
 
     # a backfill on the live checkpoint (same sources) of more old data: its device stays online
     append_silver(s, [reading("dev-2", T0 + timedelta(seconds=10 * i)) for i in range(3)])
@@ -787,3 +792,20 @@ def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settin
         ("online", "degraded", at[356], "data")]
     assert (cur["status"], cur["status_reason"], cur["site"]) == ("online", "data", "south")
     assert cur["last_received"] == rows[-1]["ingest_time"]
+
+
+def test_a_replayed_batch_counts_silence_from_the_start_its_first_run_did(tmp_path) -> None:
+    from gold.ticks import LiveStarts
+
+    ck = tmp_path / "ck"
+    offsets = ck / "offsets"
+    offsets.mkdir(parents=True)
+    LiveStarts(str(ck)).begin(1_000)  # a fresh checkpoint: from batch 0
+    for b in range(3):
+        (offsets / str(b)).write_text("v1\n{}\n{}\n")
+    # batch 2 planned, not committed: the next run replays it as the first run counted
+    again = LiveStarts(str(ck))
+    again.begin(9_000)
+    assert [again.since(b) for b in range(5)] == [1_000, 1_000, 1_000, 9_000, 9_000]
+    LiveStarts(str(ck)).begin(12_000)  # a run that planned nothing: the next one replaces its entry
+    assert LiveStarts(str(ck)).entries == [[0, 1_000], [3, 12_000]]
