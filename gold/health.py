@@ -117,8 +117,8 @@ STATE_SCHEMA = "devices string"
 
 
 def device_state_schema(metrics: tuple[str, ...], topics: tuple[str, ...] = ()) -> pa.Schema:
-    """A device's state as a row. Columns added since (``last_received`` on) load as nulls from
-    an older state: unknown, then set by the device's next reading."""
+    """A device's state as a row. From a state written before the columns from ``last_received``
+    on, a device loads with them unknown (no hold pending), set by its next reading."""
     return pa.schema([
         ("device_id", pa.string()), ("status", pa.string()),
         ("status_since", pa.int64()), ("last_seen", pa.int64()), ("timeout_at", pa.int64()),  # ms
