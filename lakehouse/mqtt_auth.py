@@ -17,7 +17,8 @@ Users:
 
 Device passwords are kept only as Mosquitto's own hashes (PBKDF2-SHA512, what
 ``mosquitto_passwd`` writes), in ``devices.passwd``; the device registry (``lakehouse.
-device_registry``) holds what is not secret.
+device_registry``) holds what is not secret. With ``mqtt.embedded_device_port`` devices and
+iotlake's clients meet the broker on listeners of their own (``broker_conf``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import base64
 import contextlib
 import fcntl
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -255,8 +257,12 @@ def write_files(settings: Settings, devices: dict[str, str] | None = None) -> No
             passwords.update({u: new_password() for u in set(services) - set(passwords)})
             _write(_services_file(settings), json.dumps(passwords, indent=1))
         own = {u: settings.mqtt.password if settings.mqtt.username else passwords[u] for u in services}
-        _write(d / "passwd", "".join(f"{u}:{hash_password(p)}\n" for u, p in own.items())
-               + "".join(f"{u}:{h}\n" for u, h in devices.items() if u not in own))
+        own_lines = "".join(f"{u}:{hash_password(p)}\n" for u, p in own.items())
+        device_lines = "".join(f"{u}:{h}\n" for u, h in devices.items() if u not in own)
+        # one file for a broker with one listener; one per kind for the two of a device port
+        _write(d / "passwd", own_lines + device_lines)
+        _write(d / "passwd-services", own_lines)
+        _write(d / "passwd-devices", device_lines)
         acl = ["# written by iotlake (lakehouse/mqtt_auth.py) from the device store and the "
                "telemetry model: change devices with `iotlake devices`, not here"]
         if settings.mqtt.allow_anonymous:  # lines before any user: clients without a user name
@@ -269,10 +275,30 @@ def write_files(settings: Settings, devices: dict[str, str] | None = None) -> No
         _write(d / "acl", "\n".join(acl) + "\n")
 
 
-def broker_conf(settings: Settings) -> str:
-    """The embedded broker's authentication lines (its files are written by ``write_files``)."""
-    return (f"allow_anonymous {'true' if settings.mqtt.allow_anonymous else 'false'}\n"
-            f"password_file {password_file(settings)}\nacl_file {acl_file(settings)}\n")
+def _listeners(bind: str, port: int) -> list[str]:
+    """``bind``'s listener, and loopback's too when that is one other interface (iotlake's own
+    clients connect to 127.0.0.1)."""
+    ip = ipaddress.ip_address(bind)
+    return [f"listener {port} {ip}", *([] if ip.is_loopback or ip.is_unspecified else [f"listener {port} 127.0.0.1"])]
+
+
+def broker_conf(settings: Settings, port: int) -> str:
+    """The embedded broker's listeners with their authentication (its files: ``write_files``).
+    With ``mqtt.embedded_device_port``, two kinds (Mosquitto's ``per_listener_settings``): iotlake's
+    own users on ``port``, loopback only; devices on theirs, at ``mqtt.embedded_bind``, each
+    one's client id its user name (``use_username_as_clientid``: Mosquitto resumes a session by
+    client id whoever connects, so a device taking the bridge's id would take its queue)."""
+    m = settings.mqtt
+    d = auth_dir(settings)
+    common = [f"allow_anonymous {'true' if m.allow_anonymous else 'false'}", f"acl_file {acl_file(settings)}"]
+    if not m.embedded_device_port:
+        return "\n".join([*_listeners(m.embedded_bind, port), *common,
+                          f"password_file {password_file(settings)}"]) + "\n"
+    out = ["per_listener_settings true", f"listener {port} 127.0.0.1", *common,
+           f"password_file {d / 'passwd-services'}"]
+    for listener in _listeners(m.embedded_bind, m.embedded_device_port):
+        out += [listener, *common, f"password_file {d / 'passwd-devices'}", "use_username_as_clientid true"]
+    return "\n".join(out) + "\n"
 
 
 # ---- the running brokers ---------------------------------------------------------------------

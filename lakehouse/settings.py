@@ -97,6 +97,11 @@ class MqttSettings(_Section):
     # The embedded broker's listen address: loopback by default; "0.0.0.0" (or an interface's
     # address) lets real devices reach it, which needs authentication on (allow_anonymous false).
     embedded_bind: str = "127.0.0.1"
+    # >0: the embedded broker's listener for devices, at embedded_bind, each device's client id
+    # forced to its user name (so no device can take over the bridge's session); embedded_port
+    # then serves iotlake's own clients on 127.0.0.1 only. 0: devices use embedded_port too.
+    # Required when embedded_bind is beyond loopback.
+    embedded_device_port: int = Field(0, ge=0, le=65535)
     # The embedded broker lets clients in without a user name (warned at start): only with this
     # true. Off, each device has its own credential (`iotlake devices add`) and may publish only
     # as itself (lakehouse.mqtt_auth).
@@ -128,7 +133,7 @@ class MqttSettings(_Section):
 
     @property
     def embedded_open(self) -> bool:
-        """The embedded broker listens beyond loopback."""
+        """The embedded broker listens to devices beyond loopback."""
         return not ipaddress.ip_address(self.embedded_bind).is_loopback
 
 
@@ -620,6 +625,13 @@ class Settings(_Section):
                              "beyond this machine: that needs authentication. Set "
                              "mqtt.allow_anonymous = false and give each device a credential "
                              "(iotlake devices add DEVICE_ID), or bind 127.0.0.1")
+        if m.embedded_open and not m.embedded_device_port:
+            raise ValueError(f"mqtt.embedded_bind = {m.embedded_bind!r} opens the embedded broker "
+                             "to devices on the network: give them a listener of their own, "
+                             "mqtt.embedded_device_port (e.g. 1883), where each is held to its own "
+                             "client id; iotlake's clients keep mqtt.embedded_port on 127.0.0.1")
+        if m.embedded_device_port and m.embedded_device_port == m.embedded_port:
+            raise ValueError("mqtt.embedded_device_port must differ from mqtt.embedded_port")
         return self
 
     @property

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ipaddress
 import logging
 import os
 import shutil
@@ -193,14 +192,6 @@ class Service:
         return self.proc is not None and self.proc.poll() is None
 
 
-def mosquitto_listeners(settings: Settings, port: int) -> str:
-    """``mqtt.embedded_bind``'s listener, and loopback's too when that is one other interface
-    (iotlake's own clients connect to 127.0.0.1)."""
-    bind = ipaddress.ip_address(settings.mqtt.embedded_bind)
-    extra = "" if bind.is_loopback or bind.is_unspecified else f"listener {port} 127.0.0.1\n"
-    return f"listener {port} {bind}\n{extra}"
-
-
 def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: str = "") -> Service:
     """Mosquitto with its users and ACLs (``lakehouse.mqtt_auth``, rewritten from the device
     store and the telemetry model at every start), unless ``extra_conf`` brings a password file
@@ -212,8 +203,7 @@ def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: s
     own_auth = "password_file" not in extra_conf
     # Persistent sessions + large queues: a stopped bridge must find its QoS-1 messages waiting.
     conf.write_text(
-        mosquitto_listeners(settings, port)
-        + (mqtt_auth.broker_conf(settings) if own_auth else "")
+        (mqtt_auth.broker_conf(settings, port) if own_auth else f"listener {port} 127.0.0.1\n")
         + f"persistence true\npersistence_location {run}/\n"
         "max_queued_messages 0\nmax_inflight_messages 0\nmax_queued_bytes 0\n"
         "persistent_client_expiration 1d\nset_tcp_nodelay true\n"
@@ -239,8 +229,10 @@ def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: s
                         settings.telemetry.topic_pattern if settings.subscribes_to_model
                         else m.topic_filter)
 
+    device_port = settings.mqtt.embedded_device_port if own_auth else 0
     return Service("mosquitto", port, [mosquitto_binary(), "-c", str(conf)], run / "mosquitto.log",
-                   port_env="IOTLAKE_MQTT__EMBEDDED_PORT", prepare=prepare)
+                   port_env="IOTLAKE_MQTT__EMBEDDED_PORT", prepare=prepare,
+                   other_ports={device_port: "IOTLAKE_MQTT__EMBEDDED_DEVICE_PORT"} if device_port else {})
 
 
 def java_binary() -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from ingest.simulator import Message, publish
 from lakehouse import device_registry, mqtt_auth
-from lakehouse.settings import Settings, load_settings
+from lakehouse.settings import Settings, SettingsError, load_settings
 from orchestration.cli import main as cli_main
 from orchestration.devices_cli import Device, provision
 from orchestration.run import bridge_thread
@@ -31,12 +31,19 @@ ROOT = Path(__file__).resolve().parent.parent
 NOT_AUTHORIZED = 135  # MQTT 5 reason code (CONNACK, PUBACK)
 
 
+def own_broker(settings: Settings, port: int, device_port: int = 0, **mqtt) -> Settings:
+    """``settings`` on an embedded broker of their own at ``port`` (and ``device_port``),
+    iotlake's clients with their roles' generated credentials."""
+    return derive(settings, mqtt={"host": "", "port": 0, "embedded_port": port, "username": "", "password": "",
+                                  "embedded_device_port": device_port, **mqtt})
+
+
 @pytest.fixture
 def auth(settings: Settings, tmp_path: Path):
-    """``settings`` on an embedded broker of their own (authentication on, the default), iotlake's
-    clients with their roles' generated credentials; the session's Kafka."""
+    """``settings`` on an embedded broker of their own (authentication on, the default) with a
+    listener for devices; the session's Kafka."""
     port = free_port()
-    s = derive(settings, mqtt={"host": "", "port": 0, "embedded_port": port, "username": "", "password": ""})
+    s = own_broker(settings, port, free_port())
     broker = mosquitto_service(s, port).start()
     try:
         yield s
@@ -48,10 +55,11 @@ class Client:
     """A device-like paho client: what it was told (CONNACK, PUBACKs, messages, disconnects)."""
 
     def __init__(self, s: Settings, username: str | None, password: str | None, client_id: str = "",
-                 v5: bool = True, wait: bool = True) -> None:
+                 v5: bool = True, wait: bool = True, service: bool = False, clean: bool = True) -> None:
         self.v5 = v5
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
-                             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
+                             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
+                             **({} if v5 else {"clean_session": clean}))
         if username is not None:
             self.c.username_pw_set(username, password)
         self.connack: int | None = None
@@ -65,7 +73,10 @@ class Client:
         self.c.on_message = lambda _c, _u, m: self.messages.append(m.topic)
         self.c.on_subscribe = lambda *_: self.subscribed.set()
         self.answered = threading.Event()
-        self.c.connect(*s.mqtt_endpoint)
+        # a device at the devices' listener (when there is one), iotlake's clients at theirs
+        host, port = s.mqtt_endpoint
+        self.c.connect(host, s.mqtt.embedded_device_port if s.mqtt.embedded_device_port and not service
+                       else port, clean_start=clean if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY)
         self.c.loop_start()
         if wait:
             assert self.answered.wait(10), "no CONNACK"
@@ -156,7 +167,7 @@ def test_a_device_publishes_only_as_itself_and_nothing_else_reaches_kafka(auth: 
     a, b = provision(auth, [Device("dev-a"), Device("dev-b")])
     with bridge_thread(auth), clients(Client(auth, "dev-a", a["password"]),
                                       Client(auth, "dev-a", a["password"], v5=False),
-                                      Client(*((auth,) + mqtt_auth.login(auth, "bridge")))) as (v5, v311, bridge):
+                                      Client(auth, *mqtt_auth.login(auth, "bridge"), service=True)) as (v5, v311, bridge):
         assert v5.publish(topic(auth, "dev-b"), payload("dev-b", 1)) == NOT_AUTHORIZED
         assert v311.publish(topic(auth, "dev-b"), payload("dev-b", 2)) == 0  # acked, dropped
         assert v5.publish("some/other/topic", payload("dev-b", 3)) == NOT_AUTHORIZED
@@ -173,7 +184,7 @@ def test_a_device_reads_nothing_of_others(auth: Settings) -> None:
     ``#`` and on B's topic, gets none of B's messages, which the bridge's credential does get."""
     a, b = provision(auth, [Device("dev-a"), Device("dev-b")])
     with clients(Client(auth, "dev-a", a["password"]), Client(auth, "dev-b", b["password"]),
-                 Client(*((auth,) + mqtt_auth.login(auth, "bridge")))) as (ca, cb, bridge):
+                 Client(auth, *mqtt_auth.login(auth, "bridge"), service=True)) as (ca, cb, bridge):
         ca.subscribe("#")
         ca.subscribe(topic(auth, "dev-b"))
         bridge.subscribe(auth.mqtt.topic_filter)
@@ -320,7 +331,7 @@ def test_a_sparkplug_edge_node_publishes_only_under_its_own_node(settings: Setti
 
 def test_listening_beyond_loopback_needs_authentication(tmp_path: Path, capsys) -> None:
     env = {"IOTLAKE_MQTT__EMBEDDED_BIND": "0.0.0.0", "IOTLAKE_MQTT__ALLOW_ANONYMOUS": "true"}
-    with pytest.raises(Exception) as e:
+    with pytest.raises(SettingsError) as e:
         load_settings(environ=env)
     assert "needs authentication" in str(e.value) and "allow_anonymous = false" in str(e.value)
     cfg = tmp_path / "open.toml"
@@ -332,23 +343,52 @@ def test_listening_beyond_loopback_needs_authentication(tmp_path: Path, capsys) 
     assert "allow_anonymous false" in conf and "allow_anonymous true" not in conf
 
 
-def test_the_embedded_broker_listens_where_it_is_told(settings: Settings) -> None:
-    port = free_port()
-    s = derive(settings, mqtt={"host": "", "port": 0, "embedded_port": port, "username": "",
-                               "password": "", "embedded_bind": "0.0.0.0"})
+def test_the_embedded_broker_listens_where_it_is_told(settings: Settings, tmp_path: Path) -> None:
+    """Opened to the network, the devices' listener is on every interface and iotlake's own on
+    loopback; opened without a devices' listener, it fails fast."""
+    port, device_port = free_port(), free_port()
+    s = own_broker(settings, port, device_port, embedded_bind="0.0.0.0")
     broker = mosquitto_service(s, port).start()
     try:
-        assert listen_addresses(port) == {"0.0.0.0"}
+        assert listen_addresses(device_port) == {"0.0.0.0"} and listen_addresses(port) == {"127.0.0.1"}
         with clients(Client(s, None, None)) as (anonymous,):
             assert anonymous.connack == NOT_AUTHORIZED
     finally:
         broker.stop()
-    loopback = derive(s, mqtt={"embedded_bind": "127.0.0.1"})
+    loopback = own_broker(settings, port)
     broker = mosquitto_service(loopback, port).start()
     try:
-        assert listen_addresses(port) == {"127.0.0.1"}
+        assert listen_addresses(port) == {"127.0.0.1"} and listen_addresses(device_port) == set()
     finally:
         broker.stop()
+    with pytest.raises(SettingsError) as e:
+        load_settings(environ={"IOTLAKE_MQTT__EMBEDDED_BIND": "0.0.0.0"})
+    assert "mqtt.embedded_device_port" in str(e.value)
+
+
+def test_a_device_cannot_take_over_the_bridges_session(auth: Settings) -> None:
+    """Mosquitto resumes a session by client id whoever connects: a device taking the bridge's
+    id would be handed (and, by its ACL, drop) what the broker queued for the bridge. On the
+    devices' listener a device's client id is its user name; on iotlake's own listener a
+    device's credential is refused."""
+    a, b = provision(auth, [Device("dev-a"), Device("dev-b")])
+    with bridge_thread(auth):
+        pass  # the bridge's persistent session exists, and it is gone: the broker queues for it
+    with clients(Client(auth, "dev-a", a["password"]),
+                 Client(auth, "dev-b", b["password"], client_id=auth.mqtt.client_id, clean=False),
+                 Client(auth, "dev-b", b["password"], client_id=auth.mqtt.client_id, service=True)) as (
+            ca, thief, on_ours):
+        assert thief.connack == 0 and on_ours.connack == NOT_AUTHORIZED
+        for n in range(3):
+            assert ca.publish(topic(auth, "dev-a"), payload("dev-a", n)) == 0
+        time.sleep(0.5)
+        assert thief.messages == []
+    log = (auth.run_dir / f"mosquitto-{auth.mqtt.embedded_port}" / "mosquitto.log").read_text()
+    as_b = [line for line in log.splitlines() if "u'dev-b'" in line]  # "... as CLIENT_ID (..., u'dev-b')"
+    assert as_b and all(" as dev-b (" in line for line in as_b)
+    with bridge_thread(auth):
+        got = consume(auth, auth.kafka.topic, expect_ids={"dev-a-0", "dev-a-1", "dev-a-2"})
+    assert sorted(json.loads(m.value())["event_id"] for m in got) == ["dev-a-0", "dev-a-1", "dev-a-2"]
 
 
 def test_allow_anonymous_is_warned_and_devices_stay_confined(settings: Settings, caplog) -> None:
