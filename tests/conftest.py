@@ -164,7 +164,8 @@ def pytest_sessionstart(session) -> None:
 # by their number of tests.
 _LONG_FILES = ("test_bench_processes.py", "test_chaos.py", "test_benchmarks.py", "test_alerts_pipeline.py", "test_gold.py",
                "test_scaleout.py", "test_fleet.py", "test_bridge.py", "test_pipeline.py",
-               "test_dags.py", "test_sparkplug.py", "test_scaleout_s3.py", "test_quickstart.py",
+               "test_dags.py", "test_sparkplug.py", "test_device_auth.py",
+               "test_scaleout_s3.py", "test_quickstart.py",
                "test_maintenance.py", "test_backfill.py", "test_run_restart.py", "test_status.py",
                "test_silver.py", "test_fuzz.py", "test_kafka_broker.py", "test_expectations.py",
                "test_security.py", "test_query.py")
