@@ -408,7 +408,8 @@ def test_gold_follows_the_model_and_its_status_rules(spark, tmp_path: Path) -> N
     pump = {**PUMP, "status_rules": [{"metric": "pressure", "below": 1.0, "reason": "low_pressure"}],
             "error_status": ""}
     base = dict(environ={}, data_root=str(tmp_path / "lake"),
-                spark={"master": "local[2]", "shuffle_partitions": 2}, stream={"watermark_seconds": 30})
+                spark={"master": "local[2]", "shuffle_partitions": 2}, stream={"watermark_seconds": 30},
+                gold={"status_hold_seconds": 0, "status_hold_readings": 1})  # one reading judges
     s = load_settings(**base, telemetry=pump)
     schema = silver_schema(s.telemetry)
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
