@@ -25,7 +25,8 @@ RESERVED_COLUMNS = frozenset({
     "kafka_topic", "kafka_partition", "kafka_offset", "ingest_time", "value", "reason",
     "reasons", "parse_reasons", "dedup_time", "quarantined_at", "metric", "window_start",
     "window_end", "count", "mean", "min", "max", "stddev", "last", "score", "baseline",
-    "is_anomaly", "anomaly_score", "status_since", "last_seen", "updated_at"})
+    "is_anomaly", "anomaly_score", "status_since", "last_seen", "updated_at", "last_received",
+    "status_reason", "kind", "previous_status"})
 _NAME = r"^[a-z][a-z0-9_]{0,62}$"
 _SEGMENT = re.compile(r"^[^.\[\]'\"]+$")
 _PART = re.compile(r"\{([^{}]*)\}")
