@@ -248,20 +248,19 @@ class AlertEngine:
                 rows.append(self._row(a, "resolved", now))
                 notes += self._resolution(a, now)
         for a in self.open.values():
-            self._notify(a, silences, now, notes)
-        for alert_id, by in store.pending_acks(self.conn):
+            if self._notify(a, silences, now, notes):
+                changed.setdefault(a.fingerprint, a)
+        acks = store.pending_acks(self.conn)
+        for alert_id, by in acks:
             a = next((x for x in self.open.values() if x.alert_id == alert_id), None)
             if a is not None and not a.acknowledged:
                 a.acknowledged = True
                 a.extra["acknowledged_by"] = by
+                changed.setdefault(a.fingerprint, a)
                 rows.append(self._row(a, "acknowledged", now))
-        for a in self.open.values():
-            if a.fingerprint not in changed and (a.extra.get("dirty") or a.acknowledged != a.extra.get("acked_saved")):
-                changed[a.fingerprint] = a
         breach_changes = {k: self.breaches.state.get(k) for k in self.breaches.changed}
         self.breaches.changed.clear()
-        if not (rows or notes or changed or breach_changes or pending_now != self.pending
-                or store.pending_acks(self.conn)):
+        if not (rows or notes or changed or breach_changes or pending_now != self.pending or acks):
             self.ticks += 1
             return []
         with store.transaction(self.conn) as conn:
@@ -269,14 +268,8 @@ class AlertEngine:
                 if a is None:
                     conn.execute("DELETE FROM alert_open WHERE fingerprint = ?", (fp,))
                 else:
-                    a.extra.pop("dirty", None)
-                    a.extra["acked_saved"] = a.acknowledged
                     conn.execute("INSERT INTO alert_open VALUES (?, ?) ON CONFLICT(fingerprint) "
                                  "DO UPDATE SET body = excluded.body", (fp, a.to_json()))
-            for fp in self.open:
-                if fp not in changed:
-                    conn.execute("UPDATE alert_open SET body = ? WHERE fingerprint = ?",
-                                 (self.open[fp].to_json(), fp))
             conn.execute("DELETE FROM alert_pending")
             conn.executemany("INSERT INTO alert_pending VALUES (?, ?)", pending_now.items())
             for k, b in breach_changes.items():
@@ -298,7 +291,7 @@ class AlertEngine:
         self.ticks += 1
         if rows or changed:
             self.wake.set()
-        if notes and self.outbox is not None and hasattr(self.outbox, "kick"):
+        if notes and self.outbox is not None:
             self.outbox.kick()
         for r in rows:
             log.info("alert %s %s: %s", r["alert_id"], r["transition"], r["summary"])
@@ -335,20 +328,21 @@ class AlertEngine:
         return a
 
     def _notify(self, a: store.Alert, silences: list[store.Silence], now: float,
-                notes: list[Notification]) -> None:
+                notes: list[Notification]) -> bool:
+        """Notify ``a`` if due (first firing, or re-notification) and not silenced; whether
+        the alert's state changed (to be saved)."""
         silenced = any(s.matches(a, now) for s in silences)
-        if silenced != a.silenced:
-            a.silenced = silenced
-            a.extra["dirty"] = True
+        changed = silenced != a.silenced
+        a.silenced = silenced
         if silenced:
-            return
+            return changed
         due = not a.notified or (self.cfg.renotify_seconds > 0 and not a.acknowledged
                                  and now - a.last_notified >= self.cfg.renotify_seconds)
         if due:
             a.notifications += 1
             a.notified, a.last_notified = True, now
-            a.extra["dirty"] = True
             notes.append(self._note(a, "firing", None, a.notifications))
+        return changed or due
 
     def _resolution(self, a: store.Alert, now: float) -> list[Notification]:
         return [self._note(a, "resolved", now, a.notifications)] if a.notified else []
