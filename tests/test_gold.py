@@ -634,6 +634,7 @@ def test_a_device_without_any_data_goes_offline_by_the_wall_clock_then_back_onli
         assert took < 3 + 8, took  # offline_after_seconds, a trigger, a batch
         assert cur["status_reason"] == "no_data" and cur["last_received"] == last
         assert cur["status_since"] == last + timedelta(seconds=3)
+        wait_for("offline in the history", lambda: [r[1] for r in history_rows(s) if r[0] == "dev-w"][-1] == "offline", 30)
         assert [r for r in history_rows(s) if r[0] == "dev-w"] == [
             ("dev-w", "online", None, last - timedelta(seconds=1), "data"),
             ("dev-w", "offline", "online", last + timedelta(seconds=3), "no_data")]
@@ -647,6 +648,7 @@ def test_a_device_without_any_data_goes_offline_by_the_wall_clock_then_back_onli
         append_silver(s, [reading("dev-w", back)])
         cur = wait_for("online", lambda: (c := status_now(s, "dev-w")) and c["status"] == "online" and c, 60)
         assert cur["status_reason"] == "data" and cur["last_received"] == back
+        wait_for("online in the history", lambda: [r[1] for r in history_rows(s) if r[0] == "dev-w"][-1] == "online", 30)
         assert [r[1:4] for r in history_rows(s) if r[0] == "dev-w"][-1] == ("online", "offline", back)
     finally:
         q.stop()
@@ -720,6 +722,8 @@ def test_a_backfill_never_takes_a_device_offline_by_the_wall_clock(spark, gold_s
     after = now_ms()
     try:
         wait_for("offline", lambda: (c := status_now(s, "dev-old")) and c["status"] == "offline", 60)
+        # a batch writes its tables at once: device_current may commit before the history
+        wait_for("offline in the history", lambda: history_rows(s)[-1][1] == "offline", 30)
     finally:
         q.stop()
     *_, (device, status, previous, gone, reason) = history_rows(s)
