@@ -117,6 +117,22 @@ def test_site_silent_by_wall_clock(tmp_path):
     assert [(r["subject"], r["transition"]) for r in rows] == [("north", "firing")]
 
 
+def test_a_site_is_late_not_silent_while_kafka_holds_records(tmp_path):
+    """Records waiting in Kafka (a saturated machine between batches): the site is judged by
+    the batches' latest reception, so it does not fire, resolve and fire again."""
+    s = _settings(tmp_path, rules=[{"name": "SiteSilent", "kind": "site_silent", "silent_seconds": 60}])
+    query = {"active": True, "in_batch": False, "lag": 500, "source": "kafka",
+             "last_progress_age_s": 1.0, "last_batch_age_s": 1.0}
+    snap = {"queries": {"bronze_silver": query}}
+    e = _engine(s, snapshot=snap)
+    e.observe_readings(_readings("d1", "north", [T0], [4.0], T0))
+    assert e.tick(T0 + 1) == []  # the batch arrives
+    assert e.tick(T0 + 100) == []  # 100 s since the last batch, but 500 records still in Kafka
+    query["lag"] = 0
+    rows = e.tick(T0 + 101)  # nothing owed and nothing arrived for the bound: silent
+    assert [(r["subject"], r["transition"]) for r in rows] == [("north", "firing")]
+
+
 def test_threshold_for_a_duration_is_one_alert_however_batched(tmp_path):
     rule = {"name": "HighPressure", "kind": "threshold", "metric": "pressure", "above": 10.0,
             "for_seconds": 5, "severity": "critical", "labels": {"team": "ops"}}

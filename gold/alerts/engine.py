@@ -186,7 +186,8 @@ class AlertEngine:
                 if site and t is not None:
                     self.heard[site] = max(self.heard.get(site, 0.0), t.timestamp())
         snap = self.pipeline() if self.pipeline is not None else None
-        busy = any(q.get("in_batch") and q.get("source") == "kafka"
+        # a batch under way, or records waiting in Kafka: what is heard is late, not silent
+        busy = any(q.get("source") == "kafka" and (q.get("in_batch") or (q.get("lag") or 0) > 0)
                    for q in ((snap or {}).get("queries") or {}).values())
         if self.heard:
             evaluated.add("site_silent")

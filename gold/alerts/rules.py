@@ -68,8 +68,8 @@ def site_conditions(rules: list[AlertRuleSettings], heard: dict[str, float], now
     """Sites none of whose devices was heard from for the rule's ``silent_seconds``;
     ``heard``: each site's latest reception (the pipeline's clock, epoch s).
 
-    While batches keep arriving (the last at wall time ``arrived``, within the bound) or one is
-    under way (``busy``: the Kafka-sourced query is in a batch), a site is judged against
+    While batches keep arriving (the last at wall time ``arrived``, within the bound) or more
+    are owed (``busy``: the Kafka-sourced query is in a batch or behind Kafka), a site is judged against
     ``frontier``, the latest reception any batch carried, not the wall clock: a pipeline whose
     batches take longer than the bound is late, not silent (that is ``pipeline_stale``'s to
     say). Once nothing has arrived for the bound and nothing is under way, the wall clock."""
