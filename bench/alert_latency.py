@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--offline-after", type=int, default=30, help="gold.offline_after_seconds")
     ap.add_argument("--quiet-devices", type=int, default=3, help="devices of the site that goes silent")
     ap.add_argument("--smoke", action="store_true", help="a short run at a low rate")
+    ap.add_argument("--keep", action="store_true", help="keep the run's data root (its path on stderr)")
     args = ap.parse_args()
     if args.smoke:
         args.rate, args.devices, args.warmup, args.breaches, args.gap = 50, 5, 25, 2, 4.0
@@ -208,7 +209,11 @@ def run(args: argparse.Namespace) -> dict:
     firing_total = (len(fired) + len(recv.firing("SiteSilent", site="quiet-site"))
                     + sum(len(recv.firing("DeviceOffline", device_id=d)) for d in quiet))
     changes = _status_changes(settings, args.devices, sampled_from, sampled_to)
-    shutil.rmtree(root, ignore_errors=True)
+    print("threshold latencies (s):", " ".join(f"{x:.2f}" for x in sorted(lat)), file=sys.stderr)
+    if args.keep:
+        print(f"kept {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return {
         "rate": args.rate, "mode": "micro-batch",
         "threshold_p50_s": round(float(np.percentile(lat, 50)), 3) if lat else None,
