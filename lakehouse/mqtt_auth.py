@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from lakehouse import mqtt_tls
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,8 @@ def write_files(settings: Settings, devices: dict[str, str] | None = None) -> No
             _write(_services_file(settings), json.dumps(passwords, indent=1))
         own = {u: settings.mqtt.password if settings.mqtt.username else passwords[u] for u in services}
         own_lines = "".join(f"{u}:{hash_password(p)}\n" for u, p in own.items())
-        device_lines = "".join(f"{u}:{h}\n" for u, h in devices.items() if u not in own)
+        # a device of a client certificate ("" in the store) has no password: its ACL only
+        device_lines = "".join(f"{u}:{h}\n" for u, h in devices.items() if u not in own and h)
         # one file for a broker with one listener; one per kind for the two of a device port
         _write(d / "passwd", own_lines + device_lines)
         _write(d / "passwd-services", own_lines)
@@ -282,22 +284,46 @@ def _listeners(bind: str, port: int) -> list[str]:
     return [f"listener {port} {ip}", *([] if ip.is_loopback or ip.is_unspecified else [f"listener {port} 127.0.0.1"])]
 
 
+def _tls(settings: Settings, certificates: bool = False) -> list[str]:
+    """A listener's TLS lines (``mqtt.tls``); ``certificates``: its clients log in with a
+    client certificate of the CA, its common name their user name and client id."""
+    if not settings.mqtt.tls:
+        return []
+    f = mqtt_tls.broker_files(settings)
+    out = [f"cafile {f.ca}", f"certfile {f.cert}", f"keyfile {f.key}", "tls_version tlsv1.2"]
+    if certificates:
+        out += ["require_certificate true", "use_identity_as_username true",
+                "use_username_as_clientid true", *([f"crlfile {f.crl}"] if f.crl else [])]
+    return out
+
+
 def broker_conf(settings: Settings, port: int) -> str:
-    """The embedded broker's listeners with their authentication (its files: ``write_files``).
-    With ``mqtt.embedded_device_port``, two kinds (Mosquitto's ``per_listener_settings``): iotlake's
-    own users on ``port``, loopback only; devices on theirs, at ``mqtt.embedded_bind``, each
-    one's client id its user name (``use_username_as_clientid``: Mosquitto resumes a session by
-    client id whoever connects, so a device taking the bridge's id would take its queue)."""
+    """The embedded broker's listeners with their authentication (its files: ``write_files``),
+    each TLS-only with ``mqtt.tls``. With a listener for devices (``mqtt.embedded_device_port``,
+    ``embedded_cert_port``) each has its own settings (Mosquitto's ``per_listener_settings``):
+    iotlake's own users on ``port``, loopback only (with password devices too when there is no
+    device port); password devices on theirs at ``mqtt.embedded_bind``, each one's client id its
+    user name (``use_username_as_clientid``: Mosquitto resumes a session by client id whoever
+    connects, so a device taking the bridge's id would take its queue); certificate devices on
+    theirs, the certificate's common name their user name and client id."""
     m = settings.mqtt
     d = auth_dir(settings)
     common = [f"allow_anonymous {'true' if m.allow_anonymous else 'false'}", f"acl_file {acl_file(settings)}"]
-    if not m.embedded_device_port:
-        return "\n".join([*_listeners(m.embedded_bind, port), *common,
-                          f"password_file {password_file(settings)}"]) + "\n"
-    out = ["per_listener_settings true", f"listener {port} 127.0.0.1", *common,
-           f"password_file {d / 'passwd-services'}"]
-    for listener in _listeners(m.embedded_bind, m.embedded_device_port):
-        out += [listener, *common, f"password_file {d / 'passwd-devices'}", "use_username_as_clientid true"]
+    if not (m.embedded_device_port or m.embedded_cert_port):
+        out = []
+        for listener in _listeners(m.embedded_bind, port):
+            out += [listener, *_tls(settings)]
+        return "\n".join([*out, *common, f"password_file {password_file(settings)}"]) + "\n"
+    own = d / ("passwd-services" if m.embedded_device_port else "passwd")
+    out = ["per_listener_settings true", f"listener {port} 127.0.0.1", *_tls(settings), *common,
+           f"password_file {own}"]
+    if m.embedded_device_port:
+        for listener in _listeners(m.embedded_bind, m.embedded_device_port):
+            out += [listener, *_tls(settings), *common, f"password_file {d / 'passwd-devices'}",
+                    "use_username_as_clientid true"]
+    if m.embedded_cert_port:
+        for listener in _listeners(m.embedded_bind, m.embedded_cert_port):
+            out += [listener, *_tls(settings, certificates=True), *common]
     return "\n".join(out) + "\n"
 
 
@@ -348,3 +374,29 @@ def refused(settings: Settings) -> dict[str, object]:
             n += 1
             last = max(last or 0, int(m.group(1)))
     return {"refused": n, "last": last}
+
+
+def cut_off(settings: Settings, client_id: str, timeout: float = 10.0) -> None:
+    """Disconnect the client connected as ``client_id``, by Mosquitto's own session takeover: a
+    connect with the same client id (as iotlake's bridge, on its listener) closes the older
+    one, and a clean start drops its session. A reload does not disconnect a client whose
+    certificate was revoked (measured on 2.0.11): its next connect is refused by the
+    revocation list, and this closes the connected one. Quiet when it is not connected."""
+    import paho.mqtt.client as mqtt
+
+    done = threading.Event()
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    c.username_pw_set(*login(settings, "bridge"))
+    tls = mqtt_tls.client_files(settings)
+    if tls is not None:
+        c.tls_set(ca_certs=tls[0], certfile=tls[1], keyfile=tls[2])
+    c.on_connect = lambda *_: done.set()
+    c.connect("127.0.0.1", settings.mqtt.embedded_port, clean_start=True)
+    c.loop_start()
+    try:
+        if not done.wait(timeout):
+            raise TimeoutError(f"could not reach the embedded broker to disconnect {client_id!r}")
+    finally:
+        c.disconnect()
+        c.loop_stop()
+

@@ -114,9 +114,27 @@ class MqttSettings(_Section):
     # lakehouse.mqtt_auth); set, the embedded broker lets this user read and write everything.
     username: str = ""
     password: str = Field("", repr=False)
+    # The CA iotlake's clients trust and, for the broker's own certificate files below, the CA
+    # that signed the devices' client certificates. Unset with the embedded broker's TLS on:
+    # iotlake's own CA (lakehouse.mqtt_tls).
     tls_ca: str = ""
+    # A client certificate and key for iotlake's own clients (a broker that asks for one).
     tls_cert: str = ""
     tls_key: str = ""
+    # The embedded broker speaks TLS only: every listener, plaintext off (iotlake's clients
+    # speak TLS to it, and to an external broker: system CAs unless tls_ca). Its certificate is
+    # iotlake's (signed by a CA it makes under <data_root>/mqtt/tls) unless tls_server_cert and
+    # tls_server_key name your own (then tls_ca is required).
+    tls: bool = False
+    tls_server_cert: str = ""
+    tls_server_key: str = ""
+    # Names and addresses devices reach the embedded broker by, beyond 127.0.0.1, localhost,
+    # this host's name and embedded_bind: in iotlake's server certificate.
+    tls_server_names: list[str] = Field(default_factory=list)
+    # >0 (needs tls): a listener at embedded_bind for devices that log in with a client
+    # certificate (`iotlake devices add --cert`): its common name is the user name, checked
+    # against iotlake's revocation list.
+    embedded_cert_port: int = Field(0, ge=0, le=65535)
     # Bridge protocol: "5" (broker-side flow control via Receive Maximum, shared subscriptions)
     # or "3.1.1" (persistent session via clean_session=False; less per-message parsing).
     protocol: str = Field("5", pattern=r"^(5|3\.1\.1)$")
@@ -625,13 +643,21 @@ class Settings(_Section):
                              "beyond this machine: that needs authentication. Set "
                              "mqtt.allow_anonymous = false and give each device a credential "
                              "(iotlake devices add DEVICE_ID), or bind 127.0.0.1")
-        if m.embedded_open and not m.embedded_device_port:
+        if m.embedded_open and not (m.embedded_device_port or m.embedded_cert_port):
             raise ValueError(f"mqtt.embedded_bind = {m.embedded_bind!r} opens the embedded broker "
                              "to devices on the network: give them a listener of their own, "
                              "mqtt.embedded_device_port (e.g. 1883), where each is held to its own "
                              "client id; iotlake's clients keep mqtt.embedded_port on 127.0.0.1")
-        if m.embedded_device_port and m.embedded_device_port == m.embedded_port:
-            raise ValueError("mqtt.embedded_device_port must differ from mqtt.embedded_port")
+        ports = [p for p in (m.embedded_port, m.embedded_device_port, m.embedded_cert_port) if p]
+        if len(set(ports)) < len(ports):
+            raise ValueError("mqtt.embedded_port, embedded_device_port and embedded_cert_port "
+                             "must differ")
+        if m.embedded_cert_port and not m.tls:
+            raise ValueError("mqtt.embedded_cert_port is a TLS listener: set mqtt.tls = true")
+        if bool(m.tls_server_cert) != bool(m.tls_server_key) or (m.tls_server_cert and not m.tls_ca):
+            raise ValueError("mqtt.tls_server_cert needs mqtt.tls_server_key and mqtt.tls_ca (the CA "
+                             "your devices' certificates are signed by); leave all three unset "
+                             "for iotlake's own CA")
         return self
 
     @property
@@ -823,6 +849,7 @@ _SECRET_FILES = (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS), ("alert
 #: Settings that name a file or folder.
 _PATH_SETTINGS = (("data_root",), ("storage", "checkpoint_root"), ("telemetry", "suite"),
                   ("mqtt", "tls_ca"), ("mqtt", "tls_cert"), ("mqtt", "tls_key"),
+                  ("mqtt", "tls_server_cert"), ("mqtt", "tls_server_key"),
                   *((section, f"{key}_file") for section, keys in _SECRET_FILES for key in keys))
 
 

@@ -1,7 +1,9 @@
 """``iotlake devices add | revoke | rotate | list | import | apply | refused``: provisioning.
 
 A device's credential is its id as the user name and a password shown once (stored only as
-Mosquitto's hash); it may publish only as itself (``lakehouse.mqtt_auth``). Each command
+Mosquitto's hash), or with ``--cert`` a client certificate of iotlake's CA whose common name is
+its id (``lakehouse.mqtt_tls``; for ``mqtt.embedded_cert_port``); it may publish only as itself
+(``lakehouse.mqtt_auth``). Each command
 rewrites the broker's files once and reloads the running embedded broker (SIGHUP; a reload
 disconnects a client whose credential was revoked or rotated), and records the device in the
 registry table ``devices``. Output for scripts: one JSON line per device.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from lakehouse import device_registry, mqtt_auth
+from lakehouse import device_registry, mqtt_auth, mqtt_tls
 from lakehouse.settings import Settings
 from lakehouse.tables import DEVICES
 
@@ -103,9 +105,28 @@ def _apply(settings: Settings, store: dict[str, str]) -> int:
     return n
 
 
-def provision(settings: Settings, devices: list[Device]) -> list[dict[str, str]]:
+def _certificates_on(settings: Settings) -> None:
+    m = settings.mqtt
+    if not (m.tls and m.embedded_cert_port):
+        raise ValueError("--cert: devices with certificates log in at the embedded broker's "
+                         "certificate listener: set mqtt.tls = true and mqtt.embedded_cert_port "
+                         "(e.g. 8883)")
+
+
+def _credentials(settings: Settings, ids: list[str], cert: bool) -> list[dict[str, str]]:
+    """Each device's new credential: a password, or a certificate and key."""
+    if cert:
+        issued = mqtt_tls.issue(settings, ids)
+        return [{"device_id": i, "username": i, **issued[i]} for i in ids]
+    return [{"device_id": i, "username": i, "password": mqtt_auth.new_password()} for i in ids]
+
+
+def provision(settings: Settings, devices: list[Device], cert: bool = False) -> list[dict[str, str]]:
     """New credentials for ``devices`` (none may have one already): one registry commit, one
-    rewrite of the broker's files, one reload. Returns each one's credential."""
+    rewrite of the broker's files, one reload. Returns each one's credential: a password, or
+    with ``cert`` a client certificate and key (PEM) and the CA's certificate."""
+    if cert:
+        _certificates_on(settings)
     ids = [d.device_id for d in devices]
     for i in ids:
         mqtt_auth.check_device_id(settings, i)
@@ -118,9 +139,10 @@ def provision(settings: Settings, devices: list[Device]) -> list[dict[str, str]]
         if have:
             raise ValueError(f"already provisioned: {', '.join(have[:5])}{' ...' if len(have) > 5 else ''} "
                              "(`iotlake devices rotate ID` gives one a new password; nothing was changed)")
-        creds = [{"device_id": i, "username": i, "password": mqtt_auth.new_password()} for i in ids]
+        creds = _credentials(settings, ids, cert)
         device_registry.upsert(settings, _rows(devices, _now()))
-        store.update({c["username"]: mqtt_auth.hash_password(c["password"]) for c in creds})
+        store.update({c["username"]: mqtt_auth.hash_password(c["password"]) if "password" in c else ""
+                      for c in creds})
         _apply(settings, store)
     return creds
 
@@ -142,26 +164,31 @@ def revoke(settings: Settings, device_id: str) -> datetime:
                    {"device_id": device_id, "site": None, "labels": "{}", "created": None})
         device_registry.upsert(settings, pa.Table.from_pylist([{**row, "revoked": now}], schema=DEVICES))
         del store[device_id]
-        _apply(settings, store)
+        had_cert = mqtt_tls.revoke(settings, device_id)
+        if _apply(settings, store) and had_cert:
+            mqtt_auth.cut_off(settings, device_id)
     return now
 
 
 def rotate(settings: Settings, device_id: str) -> dict[str, str]:
-    """A new password; the old one stops working (and its connected client is disconnected)."""
+    """A new password, or certificate for a device that has one; the old one stops working
+    (and its connected client is disconnected)."""
     with mqtt_auth.locked(settings):
         store = mqtt_auth.read_devices(settings)
         _provisioned(settings, store, device_id)
-        password = mqtt_auth.new_password()
-        store[device_id] = mqtt_auth.hash_password(password)
-        _apply(settings, store)
-    return {"device_id": device_id, "username": device_id, "password": password}
+        cert = mqtt_tls.has_certificate(settings, device_id)
+        (cred,) = _credentials(settings, [device_id], cert)
+        store[device_id] = "" if cert else mqtt_auth.hash_password(cred["password"])
+        if _apply(settings, store) and cert:
+            mqtt_auth.cut_off(settings, device_id)
+    return cred
 
 
 # ---- the commands ----------------------------------------------------------------------------
 
 
 def _add(args: argparse.Namespace, settings: Settings) -> int:
-    (cred,) = provision(settings, [Device(args.device_id, args.site, dict(args.label or []))])
+    (cred,) = provision(settings, [Device(args.device_id, args.site, dict(args.label or []))], args.cert)
     print(json.dumps(cred))
     return 0
 
@@ -170,7 +197,7 @@ def _import(args: argparse.Namespace, settings: Settings) -> int:
     devices = read_csv(Path(args.file))
     if not devices:
         raise ValueError(f"{args.file}: no devices (a header line device_id,site,labels, then a line per device)")
-    sys.stdout.write("".join(json.dumps(c) + "\n" for c in provision(settings, devices)))
+    sys.stdout.write("".join(json.dumps(c) + "\n" for c in provision(settings, devices, args.cert)))
     return 0
 
 
@@ -225,6 +252,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--site", help="the device's site (registry metadata)")
     a.add_argument("--label", type=_label, action="append", metavar="KEY=VALUE",
                    help="registry metadata, repeatable")
+    a.add_argument("--cert", action="store_true",
+                   help="a client certificate and key (PEM, in the JSON line) instead of a "
+                        "password, for mqtt.embedded_cert_port")
     a.set_defaults(func=_add)
     r = sub.add_parser("revoke", help="remove a device's credential (a connected one is cut off)")
     r.add_argument("device_id")
@@ -238,6 +268,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     i = sub.add_parser("import", help="provision every device of a CSV file (device_id,site,labels; "
                                       "labels as k=v;k2=v2): one JSON line per device")
     i.add_argument("file")
+    i.add_argument("--cert", action="store_true", help="client certificates instead of passwords")
     i.set_defaults(func=_import)
     w = sub.add_parser("apply", help="rewrite the broker's password and ACL files from the "
                                      "devices and the settings (e.g. after a topic pattern change; "

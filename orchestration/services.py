@@ -229,10 +229,12 @@ def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: s
                         settings.telemetry.topic_pattern if settings.subscribes_to_model
                         else m.topic_filter)
 
-    device_port = settings.mqtt.embedded_device_port if own_auth else 0
+    m = settings.mqtt
+    others = {m.embedded_device_port: "IOTLAKE_MQTT__EMBEDDED_DEVICE_PORT",
+              m.embedded_cert_port: "IOTLAKE_MQTT__EMBEDDED_CERT_PORT"} if own_auth else {}
     return Service("mosquitto", port, [mosquitto_binary(), "-c", str(conf)], run / "mosquitto.log",
                    port_env="IOTLAKE_MQTT__EMBEDDED_PORT", prepare=prepare,
-                   other_ports={device_port: "IOTLAKE_MQTT__EMBEDDED_DEVICE_PORT"} if device_port else {})
+                   other_ports={p: env for p, env in others.items() if p})
 
 
 def java_binary() -> str:

@@ -55,13 +55,16 @@ class Client:
     """A device-like paho client: what it was told (CONNACK, PUBACKs, messages, disconnects)."""
 
     def __init__(self, s: Settings, username: str | None, password: str | None, client_id: str = "",
-                 v5: bool = True, wait: bool = True, service: bool = False, clean: bool = True) -> None:
+                 v5: bool = True, wait: bool = True, service: bool = False, clean: bool = True,
+                 port: int | None = None, tls: dict[str, str] | None = None) -> None:
         self.v5 = v5
         self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
                              protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
                              **({} if v5 else {"clean_session": clean}))
         if username is not None:
             self.c.username_pw_set(username, password)
+        if tls is not None:  # ca_certs, certfile, keyfile
+            self.c.tls_set(**tls)
         self.connack: int | None = None
         self.pubacks: dict[int, int] = {}
         self.messages: list[str] = []
@@ -74,9 +77,10 @@ class Client:
         self.c.on_subscribe = lambda *_: self.subscribed.set()
         self.answered = threading.Event()
         # a device at the devices' listener (when there is one), iotlake's clients at theirs
-        host, port = s.mqtt_endpoint
-        self.c.connect(host, s.mqtt.embedded_device_port if s.mqtt.embedded_device_port and not service
-                       else port, clean_start=clean if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY)
+        host, own = s.mqtt_endpoint
+        if port is None:
+            port = s.mqtt.embedded_device_port if s.mqtt.embedded_device_port and not service else own
+        self.c.connect(host, port, clean_start=clean if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY)
         self.c.loop_start()
         if wait:
             assert self.answered.wait(10), "no CONNACK"
