@@ -8,9 +8,13 @@ same records produced straight to Kafka give the floor that Kafka itself sets.
 ``mosquitto_sub`` and Debian's ``kcat`` are installed with apt-get when missing (as root or with
 sudo). ``--bridge-instances K`` also drains with K bridge processes in one shared subscription (an extra
 figure: the issue's ``ratio`` is one bridge process against one C pipeline).
+``--secure`` also drains through a broker of its own with authentication and TLS on (the
+embedded broker's ``mqtt.tls``, 10,000 devices provisioned by ``iotlake devices import``, each
+publisher one device's credential over TLS, the bridge its role's): ``secure_ratio`` is its
+rate over the plaintext bridge's in the same run, ``provision_10k_s`` the import's wall time.
 The last line printed is one JSON object.
 
-Usage: .venv/bin/python bench/bridge_throughput.py [--messages 200000] [--rate 5000] [--smoke]
+Usage: .venv/bin/python bench/bridge_throughput.py [--messages 200000] [--rate 5000] [--secure] [--smoke]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from lakehouse import mqtt_tls
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
 from orchestration.services import embedded_services, free_port
@@ -65,11 +70,20 @@ class CPublisher:
     """One ``mosquitto_pub -l -q 1`` per device topic fed through stdin: a publisher fast enough
     not to be the bottleneck (a Python publisher competes with the bridge for the 2 cores)."""
 
-    def __init__(self, s: Settings) -> None:
+    def __init__(self, s: Settings, logins: dict[str, str] | None = None) -> None:
+        """``logins``: device id -> password, each publisher its device's over TLS."""
         host, port = s.mqtt_endpoint
         self.prefix = s.mqtt.topic_filter.split("/")[0]
+
+        def secure(d: int) -> list[str]:
+            if logins is None:
+                return []
+            device = f"dev-{d % DEVICES + 1:05d}"
+            return ["--cafile", str(mqtt_tls.ca_file(s)), "-u", device, "-P", logins[device]]
+
         self.procs = [subprocess.Popen(["mosquitto_pub", "-h", host, "-p", str(port), "-q", "1", "-l",
-                                        "-i", f"pub-{self.prefix}-{d}", "-t", topic_of(self.prefix, d)],
+                                        "-i", f"pub-{self.prefix}-{d}", "-t", topic_of(self.prefix, d),
+                                        *secure(d)],
                                        stdin=subprocess.PIPE) for d in range(DEVICES)]
 
     def send(self, seq: int, data: bytes, flush: bool = False) -> None:
@@ -114,6 +128,9 @@ def kafka_env(s: Settings) -> dict[str, str]:
                 "IOTLAKE_MQTT__CLIENT_ID": s.mqtt.client_id, "IOTLAKE_MQTT__TOPIC_FILTER": s.mqtt.topic_filter,
                 "IOTLAKE_MQTT__PROTOCOL": s.mqtt.protocol,
                 "IOTLAKE_DATA_ROOT": s.data_root, "IOTLAKE_BRIDGE__LOG_INTERVAL_SECONDS": "5"})
+    if s.mqtt.tls:  # the secure broker: the bridge logs in with its role's credential over TLS
+        env.update({"IOTLAKE_MQTT__TLS": "true", "IOTLAKE_MQTT__ALLOW_ANONYMOUS": "false",
+                    "IOTLAKE_MQTT__EMBEDDED_PORT": str(port)})
     return env
 
 
@@ -207,12 +224,13 @@ def read_all(s: Settings, idle: float | None = None, total: int | None = None) -
         c.close()
 
 
-def capacity(kind: str, s: Settings, n: int, workdir: Path, instances: int = 1) -> dict:
+def capacity(kind: str, s: Settings, n: int, workdir: Path, instances: int = 1,
+             logins: dict[str, str] | None = None) -> dict:
     sub = Subscriber(kind, s, workdir, instances)
     sub.start()  # establish the persistent session ...
     sub.stop()  # ... and go away: the broker queues from now on
     t = time.monotonic()
-    pub = CPublisher(s)
+    pub = CPublisher(s, logins)
     for i in range(n):
         pub.send(i, payload(i))
     pub.close()
@@ -240,6 +258,33 @@ def capacity(kind: str, s: Settings, n: int, workdir: Path, instances: int = 1) 
            "longest_gap_ms": gap}
     print(f"capacity {kind}{f' x{instances}' if instances > 1 else ''}: {res}", flush=True)
     return res
+
+
+def secure_capacity(base: Settings, n: int, workdir: Path, fleet: int) -> tuple[dict, float]:
+    """The bridge's capacity through a broker with authentication and TLS on, and the wall time
+    of ``iotlake devices import`` of ``fleet`` devices onto it (running: one reload)."""
+    port = free_port()
+    sec = load_settings(environ={}, **{
+        **base.model_dump(), "data_root": str(workdir / "secure"),
+        "kafka": {**base.kafka.model_dump(), "topic": "bench-capsec", "dead_letter_topic": "bench-capsec-dlq"},
+        "mqtt": {**base.mqtt.model_dump(), "host": "", "port": 0, "embedded_port": port,
+                 "allow_anonymous": False, "tls": True, "username": "", "password": "",
+                 "client_id": "bench-capsec", "topic_filter": "capsec/+/t", "protocol": "5"}})
+    ensure_topics(sec)
+    csv = workdir / "fleet.csv"
+    csv.write_text("device_id,site,labels\n" + "".join(f"dev-{i:05d},site-{i % 20},\n" for i in range(1, fleet + 1)))
+    cfg = sec.save(workdir / "secure.json")
+    with embedded_services(sec, kafka=False):
+        t = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "orchestration.cli", "--config", str(cfg), "devices",
+                              "import", str(csv)], capture_output=True, text=True, check=True).stdout
+        provision_s = time.monotonic() - t
+        logins = {c["device_id"]: c["password"] for c in map(json.loads, out.splitlines())}
+        assert len(logins) == fleet, f"{len(logins)} of {fleet} provisioned"
+        res = capacity("bridge", load_settings(environ={}, **{**sec.model_dump(), "mqtt": {
+            **sec.mqtt.model_dump(), "host": "127.0.0.1", "port": port}}), n, workdir, logins=logins)
+    print(f"provisioned {fleet} devices in {provision_s:.1f} s", flush=True)
+    return res, provision_s
 
 
 def latency(kind: str, s: Settings, rate: float, seconds: float, warmup: float,
@@ -338,12 +383,16 @@ def main() -> int:
     p.add_argument("--bridge-instances", type=int, default=2,
                    help="also drain with `iotlake bridge --instances K` (shared subscription); "
                         "0 or 1 skips it")
+    p.add_argument("--secure", action="store_true",
+                   help="also drain with authentication and TLS on (secure_ratio, provision_10k_s)")
+    p.add_argument("--fleet", type=int, default=10_000, help="--secure: devices provisioned")
     p.add_argument("--smoke", action="store_true",
-                   help="a quick check that every part runs (1,500 messages, 2 s at 500 msg/s)")
+                   help="a quick check that every part runs (1,500 messages, 2 s at 500 msg/s, "
+                        "--secure with 200 devices)")
     args = p.parse_args()
     if args.smoke:
         args.messages, args.rate, args.latency_seconds, args.warmup_seconds = 1500, 500.0, 2.0, 0.5
-        args.bridge_instances = 0
+        args.bridge_instances, args.fleet, args.secure = 0, min(args.fleet, 200), True
         global QUIET_S
         QUIET_S = 1.5
     args.kafka_port = args.kafka_port or free_port(pair=True)
@@ -373,6 +422,9 @@ def main() -> int:
                 if args.bridge_instances > 1:
                     cap_bk = capacity("bridge", variant(base, "capbk"), args.messages, work,
                                       args.bridge_instances)
+            cap_s, provision_s = skip, None
+            if args.secure and args.only != "latency":
+                cap_s, provision_s = secure_capacity(base, args.messages, work, args.fleet)
             if args.only != "capacity":
                 lat_b = latency("bridge", variant(base, "latb"), args.rate, args.latency_seconds,
                                 args.warmup_seconds, work)
@@ -399,7 +451,13 @@ def main() -> int:
         "kafka_floor_p50_ms": lat_f["p50_ms"],
         "kafka_floor_p99_ms": lat_f["p99_ms"],
         "latency_rate_msgs_per_s": args.rate,
-        "lost": cap_b["lost"] + cap_b3["lost"] + cap_bk["lost"] + lat_b["lost"],
+        # --secure: authentication + TLS over plaintext, the same bridge in the same run
+        "secure_msgs_per_s": cap_s["msgs_per_s"] if args.secure else None,
+        "secure_ratio": (round(cap_s["msgs_per_s"] / cap_b["msgs_per_s"], 3)
+                         if args.secure and cap_b["msgs_per_s"] else None),
+        "provision_10k_s": round(provision_s, 2) if provision_s is not None else None,
+        "provisioned": args.fleet if args.secure else None,
+        "lost": cap_b["lost"] + cap_b3["lost"] + cap_bk["lost"] + lat_b["lost"] + cap_s["lost"],
         "baseline_lost": cap_k["lost"] + lat_k["lost"],
     }
     print(json.dumps(result))

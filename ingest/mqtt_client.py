@@ -42,12 +42,30 @@ class BufferedClient(mqtt.Client):
     def _sock_recv(self, bufsize: int) -> bytes:
         if self._rpos >= len(self._rbuf):
             data = super()._sock_recv(READ_CHUNK)  # BlockingIOError / b"" (EOF) pass through
+            if data and hasattr(self._sock, "pending"):
+                data = self._more_records(data)
             if len(data) <= bufsize:
                 return data
             self._rbuf, self._rpos = data, 0
         out = self._rbuf[self._rpos:self._rpos + bufsize]
         self._rpos += len(out)
         return out
+
+    def _more_records(self, first: bytes) -> bytes:
+        """Under TLS one ``recv`` returns one record, and Mosquitto writes a record per packet:
+        without this every message would take paho's slow path alone. Gather the records that
+        have arrived (up to ``READ_CHUNK``); an EOF or error after them shows at the next read."""
+        parts, size = [first], len(first)
+        while size < READ_CHUNK:
+            try:
+                more = super()._sock_recv(READ_CHUNK - size)
+            except (BlockingIOError, ConnectionError, OSError):
+                break
+            if not more:
+                break
+            parts.append(more)
+            size += len(more)
+        return b"".join(parts) if len(parts) > 1 else first
 
     def _sock_close(self) -> None:
         # bytes of a dead connection must never be parsed as the start of a new one
