@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the run's data root (its path on stderr)")
     args = ap.parse_args()
     if args.smoke:
-        args.rate, args.devices, args.warmup, args.breaches, args.gap = 50, 5, 25, 2, 4.0
+        args.rate, args.devices, args.warmup, args.breaches, args.gap = 50, 5, 10, 2, 2.0
         args.offline_after, args.quiet_devices = 10, 2
     print(json.dumps(run(args)))
 
