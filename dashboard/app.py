@@ -9,6 +9,7 @@ its last answer while the next one is computed.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -34,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from lakehouse.delta_read import arrow_dataset, table_exists
 from lakehouse.settings import Settings
 from lakehouse.status_file import DEFAULT_MAX_AGE, read_status
+from lakehouse.tables import SITE
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +219,30 @@ def _labels(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _equal(t: pa.Table, column: str, value: str) -> pa.ChunkedArray:
+    """Per row: ``column`` is ``value`` (False for a table without the column)."""
+    if column not in t.column_names:
+        return pa.chunked_array([pa.repeat(pa.scalar(False), t.num_rows)])
+    return pc.fill_null(pc.equal(t[column], value), False)
+
+
+def _sites(t: pa.Table) -> list[str]:
+    """The fleet's sites (device_current's ``site``: the topic's or the registry's), sorted."""
+    if SITE not in t.column_names:
+        return []
+    return sorted(s for s in pc.unique(t[SITE]).to_pylist() if s is not None)
+
+
+def label_filter(text: str) -> tuple[str, str] | None:
+    """``key=value`` as (key, value); "" as None; 400 without a key or ``=``."""
+    if not text:
+        return None
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise HTTPException(400, f"label {text!r}: give KEY=VALUE, e.g. label=floor=3")
+    return key.strip(), value.strip()
+
+
 def records(table: pa.Table) -> list[dict[str, Any]]:
     return [{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()]
 
@@ -240,13 +266,13 @@ class Lake:
         self._db = duckdb.connect(config={"threads": 2})
         self._db.execute("SET GLOBAL TimeZone = 'UTC'")
 
-    def sql(self, query: str, **tables: Any) -> pa.Table:
+    def sql(self, query: str, params: list[Any] | None = None, **tables: Any) -> pa.Table:
         """DuckDB over Arrow data; a cursor per call because requests run on several threads."""
         cur = self._db.cursor()
         try:
             for name, data in tables.items():
                 cur.register(name, data)
-            return cur.sql(query).to_arrow_table()
+            return cur.sql(query, params=params).to_arrow_table()
         finally:
             cur.close()
 
@@ -264,28 +290,43 @@ class Lake:
             by_status = {c["values"]: c["counts"] for c in sorted(counts, key=lambda c: str(c["values"]))}
             return {"total": snap.table.num_rows, "by_status": by_status,
                     "updated_at": _json_value(pc.max(snap.table["updated_at"]).as_py()),
-                    "version": snap.version}
+                    "version": snap.version, "sites": _sites(snap.table)}
 
         return self.memo(("fleet", snap.version), compute)
 
-    def devices(self, q: str, status: str, page: int, size: int) -> dict[str, Any]:
+    def devices(self, q: str, status: str, page: int, size: int, site: str = "",
+                label: tuple[str, str] | None = None) -> dict[str, Any]:
+        """A page of devices by id; ``site`` and ``label`` (key, value) filter exactly."""
         snap = self._snap("device_current")
 
         def compute() -> dict[str, Any]:
             t = snap.table
-            mask = None
-            if q:
-                mask = pc.match_substring(t["device_id"], q, ignore_case=True)
-            if status:
-                m = pc.equal(t["status"], status)
-                mask = m if mask is None else pc.and_(mask, m)
-            if mask is not None:
-                t = t.filter(mask)
+            masks = [pc.match_substring(t["device_id"], q, ignore_case=True) if q else None,
+                     pc.equal(t["status"], status) if status else None,
+                     _equal(t, SITE, site) if site else None]
+            masks = [m for m in masks if m is not None]
+            if masks:
+                t = t.filter(functools.reduce(pc.and_, masks))
+            if label is not None:
+                t = self.labelled(t, *label)
             t = t.sort_by("device_id")
-            return {"total": t.num_rows, "page": page, "size": size,
-                    "items": records(t.slice((page - 1) * size, size))}
+            items = records(t.slice((page - 1) * size, size))
+            for x in items:
+                if "labels" in x:
+                    x["labels"] = _labels(x["labels"])
+            return {"total": t.num_rows, "page": page, "size": size, "items": items}
 
-        return self.memo(("devices", q, status, page, size, snap.version), compute)
+        return self.memo(("devices", q, status, site, label, page, size, snap.version), compute)
+
+    def labelled(self, t: pa.Table, key: str, value: str) -> pa.Table:
+        """The rows whose ``labels`` (a JSON object) give ``key`` exactly ``value``: DuckDB's
+        JSON functions, vectorised (a JSON Pointer, so any key), rows of bad JSON matching none."""
+        if "labels" not in t.column_names:
+            return t.slice(0, 0)
+        pointer = "/" + key.replace("~", "~0").replace("/", "~1")
+        return self.sql("""SELECT * FROM t WHERE json_extract_string(
+                               CASE WHEN json_valid(labels) THEN labels END, $1) = $2""",
+                        [pointer, value], t=t)
 
     def device(self, device_id: str, hours: float) -> dict[str, Any]:
         names = ("device_current", "gold_metrics_1m", "readings_scored", "anomalies")
@@ -298,6 +339,8 @@ class Lake:
         if row.num_rows == 0:
             raise HTTPException(404, f"unknown device '{device_id}'")
         info = records(row)[0]
+        if "labels" in info:
+            info["labels"] = _labels(info["labels"])
         anchor = row["last_seen"][0].as_py() or datetime.now(UTC)
         since = pa.scalar(anchor - timedelta(hours=hours), pa.timestamp("us", tz="UTC"))
         dev = pc.field("device_id") == device_id
@@ -540,8 +583,9 @@ def create_app(settings: Settings, token: str | None = None, check_every: float 
 
     @app.get("/api/devices", dependencies=guarded)
     def devices(q: str = Query("", max_length=100), status: str = Query("", max_length=40),
+                site: str = Query("", max_length=100), label: str = Query("", max_length=200),
                 page: int = Query(1, ge=1), size: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
-        return lake.devices(q, status, page, size)
+        return lake.devices(q, status, page, size, site, label_filter(label))
 
     @app.get("/api/device/{device_id:path}", dependencies=guarded)  # ids may hold '/'
     def device(device_id: str, hours: float = Query(6, gt=0, le=24 * 7)) -> dict[str, Any]:

@@ -64,6 +64,7 @@ from gold.health import (
     time_out,
     time_out_received,
 )
+from gold.registry import RegistryJoin
 from gold.ticks import LiveStarts, TickTimer, batch_time_ms
 from lakehouse import delta_txn, observers
 from lakehouse.concurrent_writes import run_at_once
@@ -73,7 +74,7 @@ from lakehouse.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
 from lakehouse.streams import batch_watermark_ms
-from lakehouse.tables import DEVICE_STATUS_HISTORY, READINGS_SCORED, device_current_schema
+from lakehouse.tables import DEVICE_STATUS_HISTORY, READINGS_SCORED, SITE, device_current_schema
 
 log = logging.getLogger(__name__)
 #: detector states compress ~6x (a 10,000-device snapshot: ~8 MB instead of ~52)
@@ -241,6 +242,7 @@ class DriverHealthBatch:
         self.current_schema = pa.schema([(c, known.get(c, pa.float64()))
                                          for c in current_columns or list(known)])
         self.current = CurrentTable(self.paths["device_current"], self.current_schema, app_id)
+        self.registry = RegistryJoin(settings)
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         late_wm = batch_watermark_ms(self.checkpoint, batch_id - 1) if batch_id > 0 else 0
@@ -271,7 +273,8 @@ class DriverHealthBatch:
                 now = min(now, received // 1000)
             since = self.starts.since(batch_id)
             changed = np.union1d(changed, time_out_received(devs, now, since, self.timeout_ms, out))
-        add_current(devs, changed, out, self.rules)
+        # rows whose registry metadata changed are rewritten too (not their state: unchanged)
+        add_current(devs, np.union1d(changed, self.registry.changed_among(devs.ids)), out, self.rules)
         self.store.save(batch_id, changed)  # durable before anything of the batch commits
         if out.parts:
             self.write(df.sparkSession, out, batch_id)
@@ -294,6 +297,7 @@ class DriverHealthBatch:
         cur = out.columns("current")
         now = np.datetime64(pd.Timestamp.now(tz="UTC").tz_localize(None).as_unit("ns"))
         cur["updated_at"] = np.full(len(cur["kind"]), now)
+        cur.update(self.registry.arrays(cur.get("device_id", np.zeros(0, dtype=object)), cur.get(SITE)))
         writes = [partial(append_table, spark, t, self.paths[name], self.app_id, batch_id)
                   for name, t in tables.items() if t.num_rows]
         if len(cur["kind"]):

@@ -35,7 +35,8 @@ Changing ``STATE_BUCKETS`` needs a new checkpoint; the gold metrics may change b
 Input: silver through Delta's streaming source. Outputs, written by delta-spark exactly once per
 micro-batch (Delta app transaction: query id, batch id): ``readings_scored`` (every scored
 reading), ``anomalies`` (flagged ones), ``device_status_history`` (every change, at the reading
-or deadline it took effect with that reading's reasons) and ``device_current`` (MERGE by device).
+or deadline it took effect with that reading's reasons) and ``device_current`` (MERGE by device),
+whose rows carry the device registry's labels, registration and site (``gold/registry.py``).
 """
 
 from __future__ import annotations
@@ -65,14 +66,18 @@ from gold.anomaly import (
     state_fields,
     upgrade_rows,
 )
+from gold.registry import RegistryJoin
 from lakehouse.concurrent_writes import run_at_once
+from lakehouse.delta_read import read_table
 from lakehouse.delta_tables import add_missing_columns, append, ensure_named_table, upsert
 from lakehouse.settings import GoldSettings, Settings
+from lakehouse.spark import arrow_frame
 from lakehouse.streams import foreach_batch, pin_mode, pool, query_id, trigger_kwargs
 from lakehouse.tables import (
     ANOMALIES,
     DEVICE_STATUS_HISTORY,
     READINGS_SCORED,
+    SITE,
     device_current_schema,
 )
 from lakehouse.telemetry import TelemetryModel
@@ -670,6 +675,7 @@ class HealthBatch:
         self.metrics = settings.telemetry.gold_metrics
         # device_current's columns: the model's, and those of metrics removed from it since
         self.current_columns = current_columns or device_current_schema(settings.telemetry).names
+        self.registry = RegistryJoin(settings)
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         df = df.persist()
@@ -687,17 +693,38 @@ class HealthBatch:
         rs = readings_scored(out.where(kind == "reading"), self.metrics)
         hist = (out.where(kind == "status").withColumnRenamed("event_time", "changed_at")
                 .select(*DEVICE_STATUS_HISTORY.names))
-        cur = out.where(kind == "current").withColumn("updated_at", F.current_timestamp())
+        cur = out.where(kind == "current")
         cur = cur.select(*[c if c in cur.columns else F.lit(None).cast("double").alias(c)
-                           for c in self.current_columns])
+                           for c in self.base_columns()])
+        refreshed = self.registry_changed(out.sparkSession)
+        if refreshed is not None:  # devices whose registry row changed: their rows, joined again
+            cur = cur.unionByName(refreshed.join(cur.select("device_id"), "device_id", "left_anti"))
+        cur = (self.registry.join(out.sparkSession, cur).withColumn("updated_at", F.current_timestamp())
+               .select(*self.current_columns))
         writes = [partial(append, data, self.paths[name], self.app_id, batch_id)
                   for name, data, rows in (("readings_scored", rs, n["reading"]),
                                            ("anomalies", rs.where("is_anomaly"), n["anomaly"]),
                                            ("device_status_history", hist, n["status"])) if rows]
-        if n["current"]:
+        if n["current"] or refreshed is not None:
             writes.append(partial(upsert, cur, self.paths["device_current"], ["device_id"],
                                   self.app_id, batch_id))
         run_at_once(out.sparkSession, writes)
+
+    def base_columns(self) -> list[str]:
+        """device_current's columns but ``updated_at`` and those the registry join gives."""
+        return [c for c in self.current_columns if c != "updated_at" and (
+            c not in self.registry.names or (c == SITE and self.registry.topic_site))]
+
+    def registry_changed(self, spark: SparkSession) -> DataFrame | None:
+        """device_current's rows (``base_columns``) of the devices whose registry row changed
+        since the last batch (all, at a process's first batch), read by delta-rs; None: none."""
+        ids = self.registry.changed()
+        if ids is not None and not len(ids):
+            return None
+        rows = read_table(self.paths["device_current"], columns=self.base_columns())
+        if ids is not None:
+            rows = rows.filter(pc.is_in(rows.column("device_id"), value_set=ids))
+        return arrow_frame(spark, rows) if rows.num_rows else None
 
 
 def model_name(names: Column, index: Column) -> Column:

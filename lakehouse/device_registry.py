@@ -7,7 +7,9 @@ keeps its row: its readings from before the revocation are still a known device'
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from lakehouse import delta_read, storage
 from lakehouse.settings import Settings
@@ -59,3 +61,42 @@ class Registered:
             ids = delta_read.read_table(self.path, v, ["device_id"]).column(0).to_pylist() if v >= 0 else []
             self.ids, self.version = frozenset(i for i in ids if i), v
         return self.ids
+
+
+#: What readers of the registry join to a device (``created`` is the registry's own)
+METADATA = ("device_id", "site", "labels", "revoked")
+
+
+class Metadata:
+    """The registry's rows (``METADATA``), read again only when the table has a new version,
+    and which devices that version changed: a reader joins them per batch without a read."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.path = path(settings)
+        self.version = -1
+        self.read = False
+        self.rows = DEVICES.empty_table().select(list(METADATA))
+
+    def refresh(self) -> pa.Array | None:
+        """The ids whose row a new version added, changed or dropped (empty: no new version;
+        None at the first read, when what a reader joined before is not known)."""
+        v = delta_read.latest_version(self.path, known=self.version if self.version >= 0 else None)
+        first, self.read = not self.read, True
+        if v == self.version and not first:
+            return pa.array([], pa.string())
+        rows = (delta_read.read_table(self.path, v, list(METADATA)).select(list(METADATA))
+                .cast(self.rows.schema) if v >= 0 else self.rows)
+        changed = changed_ids(self.rows, rows)
+        self.rows, self.version = rows, v
+        return None if first else changed
+
+
+def changed_ids(old: pa.Table, new: pa.Table) -> pa.Array:
+    """The ids of rows in only one of ``old`` and ``new``, or in both with another value."""
+    both = old.join(new, "device_id", join_type="full outer", left_suffix="_old", right_suffix="")
+    differs = pa.array(np.zeros(both.num_rows, dtype=bool))
+    for c in METADATA[1:]:
+        a, b = both.column(f"{c}_old"), both.column(c)
+        same = pc.or_(pc.and_(pc.is_null(a), pc.is_null(b)), pc.fill_null(pc.equal(a, b), False))
+        differs = pc.or_(differs, pc.invert(same))
+    return pc.filter(both.column("device_id"), differs).combine_chunks()

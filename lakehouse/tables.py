@@ -58,16 +58,30 @@ def device_current_schema(model: TelemetryModel) -> pa.Schema:
     """``device_current``: each device's status, why (``status_reason``: the status rules that
     fired, ``error``, ``anomaly``, ``no_data``, ``death``, ``node_death``; ``data`` when online),
     when it was last heard (``last_seen``: its event time; ``last_received``: the pipeline's
-    clock, silver's ``ingest_time``), its latest value of every gold metric and its topic parts.
-    The columns added since the first version come last, where ``ALTER TABLE ADD COLUMNS``
-    puts them in older tables."""
-    return pa.schema([
+    clock, silver's ``ingest_time``), its latest value of every gold metric, its topic parts
+    and what the device registry says of it (``registry_columns``). The columns added since
+    the first version come last, where ``ALTER TABLE ADD COLUMNS`` puts them in older tables."""
+    own = pa.schema([
         ("device_id", pa.string()), ("status", pa.string()), ("status_since", TS),
         ("last_seen", TS), *[(m, pa.float64()) for m in model.gold_metrics],
         ("anomaly_score", pa.float64()), ("updated_at", TS),
         ("last_received", TS), ("status_reason", pa.string()),
         *[(c, pa.string()) for c in model.topic_columns],
     ])
+    return pa.schema([*own, *registry_columns(model)])
+
+
+#: device_current's site column: the topic's part of that name, else the registry's site
+SITE = "site"
+
+
+def registry_columns(model: TelemetryModel) -> pa.Schema:
+    """device_current's columns from the device registry (``DEVICES``): ``labels`` (its JSON
+    object, null when unregistered), ``registered`` (the registry has a row for it, revoked or
+    not), ``revoked_at`` (when it was revoked) and, when the topic names no ``site``, the
+    registry's ``site``."""
+    site = [] if SITE in (*model.topic_columns, *model.gold_metrics) else [(SITE, pa.string())]
+    return pa.schema([("labels", pa.string()), ("registered", pa.bool_()), ("revoked_at", TS), *site])
 
 
 DEVICE_STATUS_HISTORY = pa.schema([

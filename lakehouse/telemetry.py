@@ -26,7 +26,7 @@ RESERVED_COLUMNS = frozenset({
     "reasons", "parse_reasons", "dedup_time", "quarantined_at", "metric", "window_start",
     "window_end", "count", "mean", "min", "max", "stddev", "last", "score", "baseline",
     "is_anomaly", "anomaly_score", "status_since", "last_seen", "updated_at", "last_received",
-    "status_reason", "kind", "previous_status"})
+    "status_reason", "kind", "previous_status", "labels", "registered", "revoked_at"})
 _NAME = r"^[a-z][a-z0-9_]{0,62}$"
 _SEGMENT = re.compile(r"^[^.\[\]'\"]+$")
 _PART = re.compile(r"\{([^{}]*)\}")

@@ -62,6 +62,7 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
     now = (now or datetime.now(UTC)).replace(second=0, microsecond=0)
     start = now - timedelta(hours=hours)
     ids = device_ids(devices)
+    registry = registry_rows(ids, now)
     status = [STATUSES[i % 3] if i % 5 else "online" for i in range(devices)]
     anomaly_index = min(ANOMALY_DEVICE_INDEX, devices - 1)
     status[anomaly_index] = "online"
@@ -176,8 +177,9 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
         "humidity": [r[2] for r in latest], "battery": [r[3] for r in latest],
         "anomaly_score": [max_score[d] for d in ids], "updated_at": [now] * devices,
         "last_received": [last[d] + timedelta(seconds=2) for d in ids],
-        "status_reason": [reason[s] for s in status]}
-    # the columns device_current has in this checkout (older ones lack the last two)
+        "status_reason": [reason[s] for s in status],
+        **registry_columns(ids, registry)}
+    # the columns device_current has in this checkout (older ones lack the later ones)
     write(settings, "device_current", {c: current[c] for c in SCHEMAS["device_current"].names})
     hist: dict[str, list[Any]] = {f: [] for f in SCHEMAS["device_status_history"].names}
     for d, s in zip(ids, status, strict=True):
@@ -219,7 +221,26 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
                     "value": 95.0},
         "quarantined": len(qrows),
         "quarantine_rate": len(qrows) / sum(per_batch + x for x in bad),
+        "registry": registry,
     }
+
+
+def registry_rows(ids: list[str], now: datetime) -> dict[str, dict[str, Any]]:
+    """What the device registry holds of the fleet: every fourth device is not registered, the
+    others alternate between two sites with a ``floor`` and a ``zone`` label; one is revoked."""
+    rows = {d: {"site": ("north", "south")[i % 2], "labels": {"floor": str(i % 3), "zone": "ab"[i // 30 % 2]},
+                "revoked_at": now - timedelta(hours=1) if i == 10 else None}
+            for i, d in enumerate(ids) if i % 4 != 3}
+    return rows
+
+
+def registry_columns(ids: list[str], registry: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
+    """device_current's registry columns (``lakehouse.tables.registry_columns``) for ``ids``."""
+    reg = [registry.get(d) for d in ids]
+    return {"labels": [json.dumps(r["labels"], sort_keys=True) if r else None for r in reg],
+            "registered": [r is not None for r in reg],
+            "revoked_at": [r["revoked_at"] if r else None for r in reg],
+            "site": [r["site"] if r else None for r in reg]}
 
 
 def write_alerts(settings: Settings, facts: dict[str, Any], flapper: str = "dev-0000",

@@ -161,6 +161,44 @@ def test_api(served) -> None:
     assert rates["temperature_in_range"] == pytest.approx(facts["quarantine_rate"])
 
 
+def ids_of(base: str, query: str) -> list[str]:
+    """Every device id ``/api/devices?<query>`` lists (one page of 500)."""
+    page = get(base, f"/api/devices?size=500&{query}").json()
+    assert page["total"] == len(page["items"])
+    return [d["device_id"] for d in page["items"]]
+
+
+def test_devices_carry_the_registry_and_filter_by_site_and_label(served) -> None:
+    """Each device's site and labels (device_current's registry columns) in the list and the
+    device's answer; the list filters by site and by a label exactly, with the other filters."""
+    base, _, facts = served
+    reg = facts["registry"]
+    items = {d["device_id"]: d for d in get(base, "/api/devices?size=500").json()["items"]}
+    assert {d: (x["site"], x["labels"], x["registered"]) for d, x in items.items()} == {
+        d: (reg[d]["site"], reg[d]["labels"], True) if d in reg else (None, {}, False) for d in items}
+    assert [d for d, x in items.items() if x["revoked_at"]] == ["dev-0010"]
+    assert get(base, "/api/fleet").json()["sites"] == ["north", "south"]
+
+    north = sorted(d for d, r in reg.items() if r["site"] == "north")
+    assert ids_of(base, "site=north") == north and len(north) == 30
+    floor1 = sorted(d for d, r in reg.items() if r["labels"]["floor"] == "1")
+    assert ids_of(base, "label=floor%3D1") == floor1 and 0 < len(floor1) < len(reg)
+    assert ids_of(base, "label=%20floor%20=%201") == floor1  # spaces around the key and value
+    north_b = [d for d in north if reg[d]["labels"]["zone"] == "b"]
+    assert ids_of(base, "site=north&label=zone%3Db") == north_b and 0 < len(north_b) < len(north)
+    assert ids_of(base, "site=north&label=zone%3Db&q=DEV-003") == [d for d in north_b if d.startswith("dev-003")]
+    offline_south = sorted(d for d, r in reg.items() if r["site"] == "south" and facts["status"][d] == "offline")
+    assert ids_of(base, "site=south&status=offline") == offline_south
+    assert ids_of(base, "site=nowhere") == [] and ids_of(base, "label=floor%3D9") == []
+    assert ids_of(base, "label=floo%3D1") == [] and ids_of(base, "label=floor%3D") == []
+    assert get(base, "/api/devices?label=floor").status_code == 400
+    assert get(base, "/api/devices?label=%3D1").status_code == 400
+    dev = get(base, "/api/device/dev-0010").json()["device"]
+    assert (dev["site"], dev["labels"], dev["registered"]) == ("north", reg["dev-0010"]["labels"], True)
+    assert dev["revoked_at"] == reg["dev-0010"]["revoked_at"].isoformat().replace("+00:00", "Z")
+    assert get(base, "/api/device/dev-0003").json()["device"]["registered"] is False
+
+
 def test_reloads_only_on_new_version(served) -> None:
     base, settings, facts = served
     before = get(base, "/api/fleet").json()
@@ -216,7 +254,8 @@ def test_a_lake_without_alerts_or_the_new_device_columns(tmp_path: Path) -> None
 
     settings = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path / "lake"))
     facts = build_lakehouse(settings, devices=6, hours=1)
-    old = run_query(settings, "SELECT * FROM device_current").drop_columns(["status_reason", "last_received"])
+    old = run_query(settings, "SELECT * FROM device_current").drop_columns(
+        ["status_reason", "last_received", "labels", "registered", "revoked_at", "site"])
     write_deltalake(settings.table_path("device_current"), old, mode="overwrite", schema_mode="overwrite")
     lake = Lake(settings, check_every=0.0)
     assert lake.alerts(50) == {"total": 0, "by_severity": {}, "items": [], "version": -1}
@@ -225,7 +264,11 @@ def test_a_lake_without_alerts_or_the_new_device_columns(tmp_path: Path) -> None
     assert len(events["status_changes"]) == sum(s != "online" for s in facts["status"].values())
     device = lake.device("dev-0001", 1)
     assert device["topics"] == [] and "status_reason" not in device["device"]
+    assert "labels" not in device["device"] and lake.fleet()["sites"] == []
     assert lake.fleet()["by_status"] == facts["fleet"]
+    assert lake.devices("", "", 1, 50, site="north")["total"] == 0
+    assert lake.devices("", "", 1, 50, label=("floor", "1"))["total"] == 0
+    assert lake.devices("", "", 1, 50)["total"] == 6
 
 
 def test_latest_serves_the_previous_answer_while_the_next_is_computed() -> None:
@@ -460,6 +503,21 @@ def test_browser_shows_fleet_device_and_anomaly(served) -> None:
             assert "(no_data)" in page.text_content("#device-meta")
             page.click(f'#devices tr[data-device="{an["device_id"]}"]')
             page.wait_for_selector(f'#device-title[data-device="{an["device_id"]}"]')
+
+            # the registry's site and labels in the list, which filters by them
+            north = sorted(d for d, r in facts["registry"].items() if r["site"] == "north")
+            page.fill("#q", "")
+            page.select_option("#site", "north")
+            expect(page.locator("#devices tr")).to_have_count(25)  # the page's size
+            assert page.text_content("#page-info").startswith(f"{len(north)} devices")
+            assert page.text_content(f'#devices tr[data-device="{north[0]}"] [data-site]') == "north"
+            floor = facts["registry"][north[0]]["labels"]["floor"]
+            page.fill("#label", f"floor={floor}")
+            expect(page.locator("#devices tr")).to_have_count(
+                sum(facts["registry"][d]["labels"]["floor"] == floor for d in north))
+            assert page.locator(f'#devices tr[data-device="{north[0]}"] [data-label="floor={floor}"]').count() == 1
+            page.fill("#label", "")
+            page.select_option("#site", "")
 
             page.fill("#q", "")  # a full device list for the screenshot; the selection stays
             expect(page.locator("#devices tr")).to_have_count(25)

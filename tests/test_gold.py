@@ -749,8 +749,9 @@ def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settin
     from lakehouse.tables import device_current_schema
 
     s = settings_at(gold_settings, "legacy", SITE_MODEL)
-    first = device_current_schema(SENSOR)  # without last_received, status_reason, site
-    first = pa.schema([f for f in first if f.name not in ("last_received", "status_reason")])
+    first = device_current_schema(SENSOR)  # without last_received, status_reason, site, registry's
+    first = pa.schema([f for f in first if f.name not in (
+        "last_received", "status_reason", "labels", "registered", "revoked_at", "site")])
     ensure_named_table(spark, s, "device_current", first)
     ensure_named_table(spark, s, "device_status_history", gold.health.DEVICE_STATUS_HISTORY)
     for name, schema in (("readings_scored", gold.health.READINGS_SCORED), ("anomalies", gold.health.ANOMALIES)):
@@ -796,6 +797,8 @@ def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settin
         ("online", "degraded", at[356], "data")]
     assert (cur["status"], cur["status_reason"], cur["site"]) == ("online", "data", "south")
     assert cur["last_received"] == rows[-1]["ingest_time"]
+    row = status_now(s, "dev-h")
+    assert (row["registered"], row["labels"], row["revoked_at"]) == (False, None, None)  # no registry
 
 
 def test_a_replayed_batch_counts_silence_from_the_start_its_first_run_did(tmp_path) -> None:
@@ -813,3 +816,95 @@ def test_a_replayed_batch_counts_silence_from_the_start_its_first_run_did(tmp_pa
     assert [again.since(b) for b in range(5)] == [1_000, 1_000, 1_000, 9_000, 9_000]
     LiveStarts(str(ck)).begin(12_000)  # a run that planned nothing: the next one replaces its entry
     assert LiveStarts(str(ck)).entries == [[0, 1_000], [3, 12_000]]
+
+
+# ---- the device registry on device_current ------------------------------------------------------
+
+def register(settings: Settings, rows: list[dict]) -> None:
+    """Registry rows (device_id, site, labels as a dict, revoked) as `iotlake devices` writes them."""
+    import json
+
+    from lakehouse import device_registry
+    from lakehouse.tables import DEVICES
+
+    device_registry.upsert(settings, pa.Table.from_pylist(
+        [{"created": T0, "revoked": None, "site": None, **r, "labels": json.dumps(r.get("labels", {}), sort_keys=True)}
+         for r in rows], schema=DEVICES))
+
+
+def metadata(settings: Settings) -> dict[str, tuple]:
+    """(site, labels, registered, revoked_at) per device on device_current."""
+    t = DeltaTable(settings.table_path("device_current")).to_pyarrow_table()
+    return {r["device_id"]: (r["site"], r["labels"], r["registered"], r["revoked_at"]) for r in t.to_pylist()}
+
+
+@pytest.mark.parametrize("mode", ["driver", "state_store"])
+def test_device_current_carries_the_registry_and_follows_its_changes(spark, gold_settings, mode) -> None:
+    """A registered device's site and labels on its row, an unregistered one's none, a revoked
+    one's revocation; a registry change reaches the rows of devices that sent nothing since, at
+    the stream's next batch (in both device state modes)."""
+    import gold.health
+
+    s = with_state(settings_at(gold_settings, f"registry-{mode}"), mode, f"registry-{mode}")
+    revoked = T0 + timedelta(hours=1)
+    register(s, [{"device_id": "dev-a", "site": "north", "labels": {"floor": "3"}},
+                 {"device_id": "dev-r", "site": "south", "revoked": revoked}])
+    append_silver(s, [reading(d, T0 + timedelta(seconds=i)) for i in range(3) for d in ("dev-a", "dev-r", "dev-u")])
+    run_health(spark, s)
+    assert metadata(s) == {"dev-a": ("north", '{"floor": "3"}', True, None),
+                           "dev-r": ("south", "{}", True, revoked),
+                           "dev-u": (None, None, False, None)}
+
+    q = gold.health.start(spark, s)  # live: the registry changes while it runs
+    try:
+        append_silver(s, [reading("dev-r", T0 + timedelta(seconds=10))])
+        wait_for("a live batch", lambda: status_now(s, "dev-r")["last_seen"] == T0 + timedelta(seconds=10), 60)
+        register(s, [{"device_id": "dev-u", "site": "west", "labels": {"zone": "b"}},
+                     {"device_id": "dev-a", "site": "north", "labels": {"floor": "4"}}])
+        append_silver(s, [reading("dev-r", T0 + timedelta(seconds=11))])  # a batch; dev-a, dev-u send nothing
+        wait_for("the registry's change", lambda: metadata(s)["dev-u"][2], 60)
+    finally:
+        q.stop()
+    assert metadata(s) == {"dev-a": ("north", '{"floor": "4"}', True, None),
+                           "dev-r": ("south", "{}", True, revoked),
+                           "dev-u": ("west", '{"zone": "b"}', True, None)}
+    assert status_now(s, "dev-a")["last_seen"] == T0 + timedelta(seconds=2)  # the rest as it was
+
+
+def test_the_topics_site_wins_and_the_registrys_fills_in(spark, gold_settings) -> None:
+    """A topic that names the site: device_current's ``site`` is the topic's; the registry's
+    only for a device whose readings carry none."""
+    s = settings_at(gold_settings, "registry-site", SITE_MODEL)
+    register(s, [{"device_id": "dev-t", "site": "registry-site"}, {"device_id": "dev-n", "site": "registry-site"}])
+    rows = [reading("dev-t", T0) | {"site": "topic-site"}, reading("dev-n", T0) | {"site": None},
+            reading("dev-u", T0) | {"site": "topic-site"}]
+    append_rows(s, rows)
+    run_health(spark, s)
+    assert {d: m[0] for d, m in metadata(s).items()} == {
+        "dev-t": "topic-site", "dev-n": "registry-site", "dev-u": "topic-site"}
+
+
+def test_a_registry_read_only_at_a_new_version_and_a_refresh_of_the_changed_devices(tmp_path, monkeypatch) -> None:
+    """The driver's registry join: no read while the registry's version stays; after a change,
+    the positions of exactly the devices it changed (every device at the first batch)."""
+    from gold.registry import RegistryJoin
+
+    s = load_settings(environ={}, telemetry=SENSOR.model_dump(mode="json"), data_root=str(tmp_path / "lake"))
+    register(s, [{"device_id": d, "site": "x"} for d in ("a", "b", "c")])
+    from lakehouse import device_registry
+
+    reads = []
+    read = device_registry.delta_read.read_table
+    monkeypatch.setattr(device_registry.delta_read, "read_table", lambda *a, **k: reads.append(a) or read(*a, **k))
+    registry = RegistryJoin(s)
+    ids = np.array(["a", "b", "c", "d"], dtype=object)
+    assert registry.changed_among(ids).tolist() == [0, 1, 2, 3]  # the first batch: every device
+    version = registry.metadata.version
+    for _ in range(3):
+        assert registry.changed_among(ids).tolist() == [] and registry.metadata.version == version
+    assert len(reads) == 1
+    register(s, [{"device_id": "b", "site": "y"}, {"device_id": "d", "site": "x"}, {"device_id": "c", "site": "x"}])
+    assert registry.changed_among(ids).tolist() == [1, 3]  # c's row is rewritten the same
+    assert len(reads) == 2
+    got = registry.arrays(np.array(["d", "e"], dtype=object))
+    assert got["site"].tolist() == ["x", None] and got["registered"].tolist() == [True, False]

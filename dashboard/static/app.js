@@ -3,7 +3,7 @@
 
 const REFRESH_MS = 5000;
 const SVG_NS = "http://www.w3.org/2000/svg";
-const state = { q: "", status: "", page: 1, size: 25, total: 0, device: null, hours: 6 };
+const state = { q: "", status: "", site: "", label: "", page: 1, size: 25, total: 0, device: null, hours: 6 };
 
 // A token may be passed as #token=... (fragments never reach the server or its logs).
 const hash = new URLSearchParams(location.hash.slice(1));
@@ -60,7 +60,17 @@ function renderFleet(f) {
   for (const [status] of statuses) {
     if (![...sel.options].some((o) => o.value === status)) sel.append(el("option", { value: status }, status));
   }
+  const sites = $("site");
+  for (const site of f.sites || []) {
+    if (![...sites.options].some((o) => o.value === site)) sites.append(el("option", { value: site }, site));
+  }
 }
+
+// A device's labels (the registry's) as chips; a revoked device's mark.
+const labelChips = (x) => [
+  ...Object.entries(x.labels || {}).map(([k, v]) => chip(`${k}=${v}`, { "data-label": `${k}=${v}` })),
+  ...(x.revoked_at ? [chip("revoked", { "data-flag": "revoked", title: x.revoked_at })] : []),
+];
 
 function renderDevices(d) {
   state.total = d.total;
@@ -69,6 +79,7 @@ function renderDevices(d) {
     onclick: () => selectDevice(x.device_id),
   }, el("td", {}, x.device_id), el("td", {}, badge(x.status),
      x.status !== "online" && x.status_reason ? el("span", { class: "muted reason" }, " " + x.status_reason) : ""),
+     el("td", { "data-site": x.site || "" }, x.site || ""), el("td", { class: "labels" }, ...labelChips(x)),
      el("td", { title: x.status_since }, fmtDateTime(x.status_since)), el("td", {}, fmtTime(x.last_seen)))));
   const pages = Math.max(1, Math.ceil(d.total / state.size));
   $("page-info").textContent = `${d.total.toLocaleString()} devices · page ${state.page} / ${pages}`;
@@ -141,7 +152,10 @@ function renderDevice(d) {
   $("device-meta").textContent = `${why} since ${fmtDateTime(dev.status_since)}` +
     ` · last seen ${fmtDateTime(dev.last_seen)}` +
     (dev.last_received ? ` · received ${fmtTime(dev.last_received)}` : "") + topics +
-    ` · ${d.anomalies.length} anomal${d.anomalies.length === 1 ? "y" : "ies"} in range`;
+    ` · ${d.anomalies.length} anomal${d.anomalies.length === 1 ? "y" : "ies"} in range` +
+    (dev.registered === false ? " · not in the registry" : "") +
+    Object.entries(dev.labels || {}).map(([k, v]) => ` · ${k}=${v}`).join("") +
+    (dev.revoked_at ? ` · revoked ${fmtDateTime(dev.revoked_at)}` : "");
   // The x axis spans the requested range, or less when the device's data starts later.
   const t1 = Date.parse(dev.last_seen || new Date().toISOString());
   const metrics = d.metrics.map((m) => m.name);  // the telemetry model's gold metrics
@@ -235,7 +249,8 @@ function renderPipeline(p) {
 }
 
 function devicesUrl() {
-  const p = new URLSearchParams({ q: state.q, status: state.status, page: state.page, size: state.size });
+  const p = new URLSearchParams({ q: state.q, status: state.status, site: state.site, label: state.label,
+    page: state.page, size: state.size });
   return "/api/devices?" + p;
 }
 
@@ -280,6 +295,20 @@ $("q").addEventListener("input", () => {
 $("status").addEventListener("change", () => {
   state.status = $("status").value; state.page = 1;
   api(devicesUrl()).then(renderDevices).catch(showError);
+});
+$("site").addEventListener("change", () => {
+  state.site = $("site").value; state.page = 1;
+  api(devicesUrl()).then(renderDevices).catch(showError);
+});
+let labelTimer;
+$("label").addEventListener("input", () => {
+  clearTimeout(labelTimer);
+  labelTimer = setTimeout(() => {
+    const v = $("label").value.trim();
+    if (v && !/^[^=]+=/.test(v)) return;  // a label filter is k=v: wait for the "="
+    state.label = v; state.page = 1;
+    api(devicesUrl()).then(renderDevices).catch(showError);
+  }, 250);
 });
 $("prev").onclick = () => { state.page--; api(devicesUrl()).then(renderDevices).catch(showError); };
 $("next").onclick = () => { state.page++; api(devicesUrl()).then(renderDevices).catch(showError); };
