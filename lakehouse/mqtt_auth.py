@@ -9,7 +9,9 @@ and one reload, while the plugin saves its whole JSON configuration after every 
 Users:
 
 - each device, its user name its id: it may publish only to the topics the telemetry model
-  gives that id (``device_acl``) and read nothing but its own Sparkplug commands;
+  gives that id (``device_acl``) and read nothing but its own Sparkplug commands; it logs in
+  with a password, or with a client certificate whose common name is its id (``mqtt_tls``; no
+  password line: ``""`` in the device store);
 - iotlake's own clients: one credential per role (``ROLES``: the bridge reads, the simulator
   writes the fleet's topics, the alert channel its topic), generated, their passwords in
   ``services.json`` (owner-only; whoever reads the data root can write its tables anyway); or,
