@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -79,12 +80,36 @@ class KafkaSettings(_Section):
     # Extra librdkafka properties (e.g. security.protocol, sasl.*), passed through verbatim.
     # Not in repr: it may hold sasl.password / ssl.key.password.
     client_config: dict[str, str] = Field(default_factory=dict, repr=False)
+    # Who may use the embedded broker: "plaintext" (anyone on this machine) or "sasl_scram"
+    # (SCRAM-SHA-512 with the data root's generated credential, which every iotlake client
+    # uses; lakehouse.kafka_auth). Set it before the broker's first start. After client_config:
+    # its check reads that, and an error on this key shows only this key's value.
+    embedded_security: Literal["plaintext", "sasl_scram"] = "plaintext"
 
     @field_validator("embedded_retention_bytes")
     @classmethod
     def _retention_bytes(cls, v: int) -> int:
         if v != -1 and v < 1 << 20:
             raise ValueError("must be -1 (no size limit) or at least 1048576 (1 MiB)")
+        return v
+
+    @field_validator("embedded_security")
+    @classmethod
+    def _scram_is_embedded(cls, v: str, info: ValidationInfo) -> str:
+        if v == "plaintext":
+            return v
+        bootstrap, port = info.data.get("bootstrap", ""), info.data.get("embedded_port")
+        if bootstrap and bootstrap not in {f"{h}:{port}" for h in ("127.0.0.1", "localhost")}:
+            raise ValueError(
+                "kafka.embedded_security secures the embedded broker only; with kafka.bootstrap "
+                "set to another cluster, set its security.protocol / sasl.* / ssl.* in "
+                "kafka.client_config and leave embedded_security = \"plaintext\"")
+        clash = sorted(k for k in info.data.get("client_config", {})
+                       if k == "security.protocol" or k.startswith("sasl."))
+        if clash:
+            raise ValueError(
+                f"kafka.embedded_security = \"sasl_scram\" logs iotlake's clients in with the data "
+                f"root's generated credential: remove {', '.join(clash)} from kafka.client_config")
         return v
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lakehouse import jars, mqtt_auth, native_memory
+from lakehouse import jars, kafka_auth, mqtt_auth, native_memory
 from lakehouse.jars import kafka_classpath
 from lakehouse.kafka_topics import ensure_topics
 from lakehouse.settings import Settings
@@ -266,19 +266,48 @@ def kafka_controller_port(settings: Settings, port: int) -> int:
     return configured if configured and port == settings.kafka.embedded_port else port + 1
 
 
+def _listeners(settings: Settings, port: int) -> dict[str, object]:
+    """The listeners' security. SCRAM: the client listener is also the inter-broker one (a
+    plaintext listener for the node itself would be a port any local process could use without
+    the credential; one node replicates to no other broker). The controller's takes SASL/PLAIN
+    with the same credential, from a static JAAS line: KRaft controllers cannot check SCRAM,
+    whose credentials live in their own log, and a plaintext controller port would let any
+    local process delete topics or change credentials through it."""
+    if not kafka_auth.scram_on(settings):
+        return {"listeners": f"PLAINTEXT://127.0.0.1:{port}",
+                "inter.broker.listener.name": "PLAINTEXT",
+                "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"}
+    user, password = kafka_auth.credential(settings)
+    login = f'username="{user}" password="{password}"'
+    mech = kafka_auth.MECHANISM
+    return {"listeners": f"SASL_PLAINTEXT://127.0.0.1:{port}",
+            "inter.broker.listener.name": "SASL_PLAINTEXT",
+            "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
+            "sasl.enabled.mechanisms": mech,
+            "sasl.mechanism.inter.broker.protocol": mech,
+            f"listener.name.sasl_plaintext.{mech.lower()}.sasl.jaas.config":
+                f"org.apache.kafka.common.security.scram.ScramLoginModule required {login};",
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config":
+                f'org.apache.kafka.common.security.plain.PlainLoginModule required {login} '
+                f'user_{user}="{password}";'}
+
+
 def kafka_properties(settings: Settings, port: int, controller_port: int, log_dir: Path) -> str:
-    """One KRaft node, broker and controller in one JVM, on loopback only."""
+    """One KRaft node, broker and controller in one JVM, on loopback only; with
+    ``kafka.embedded_security = "sasl_scram"`` both listeners require a login (``_listeners``)."""
     k = settings.kafka
+    client = _listeners(settings, port)
     props = {
         "process.roles": "broker,controller",
         "node.id": 1,
         # static voters: `format --standalone` would write a dynamic quorum, which conflicts
         "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        **client,
+        "listeners": f"{client['listeners']},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": client["listeners"],
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "log.dirs": log_dir,
         "auto.create.topics.enable": "false",  # ensure_topics creates ours with their partitions
         "num.partitions": k.partitions,
@@ -333,19 +362,23 @@ def kafka_service(settings: Settings, port: int | None = None, record_archive: P
 
     def prepare() -> None:
         run.mkdir(parents=True, exist_ok=True)
-        conf.write_text(kafka_properties(settings, port, cport, data))
+        _write_private(conf, kafka_properties(settings, port, cport, data))  # may hold the password
         log4j.write_text(KAFKA_LOG4J2)
         if (data / "meta.properties").exists():
+            _check_scram_format(settings, run, data)
             return
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         # "=": a cluster id may start with "-"
-        r = subprocess.run([*jvm, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
-                            f"--config={conf}"], capture_output=True, text=True, timeout=120)
+        with _scram_format_args(settings, run) as scram:
+            r = subprocess.run([*jvm, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+                                f"--config={conf}", *scram], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise ServiceError(f"formatting Kafka's log dir {data} failed:\n{r.stdout}{r.stderr}")
+        if kafka_auth.scram_on(settings):
+            (run / _SCRAM_MARK).write_text(kafka_auth.fingerprint(settings))
 
     def ready(timeout: float) -> None:
-        wait_for_kafka(f"127.0.0.1:{port}", timeout, svc)
+        wait_for_kafka(f"127.0.0.1:{port}", timeout, svc, kafka_auth.client_security(settings))
 
     svc = Service("kafka", port, broker, run / "kafka.log",
                   port_env="IOTLAKE_KAFKA__EMBEDDED_PORT",
@@ -354,11 +387,54 @@ def kafka_service(settings: Settings, port: int | None = None, record_archive: P
     return svc
 
 
-def wait_for_kafka(bootstrap: str, timeout: float, svc: Service | None = None) -> None:
-    """Until the broker answers metadata with itself in it (its port opens earlier)."""
+#: Beside the log dir: the fingerprint of the SCRAM credential it was formatted with.
+_SCRAM_MARK = "scram-formatted"
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def _scram_format_args(settings: Settings, run: Path) -> Iterator[list[str]]:
+    """``--add-scram``: KRaft takes SCRAM credentials into its metadata log at format time.
+    The password goes in an owner-only argument file (``java @file``), not on the command
+    line, where any local process could read it."""
+    if not kafka_auth.scram_on(settings):
+        yield []
+        return
+    user, password = kafka_auth.credential(settings)
+    args = run / ".format-args"
+    _write_private(args, f"--add-scram={kafka_auth.MECHANISM}=[name={user},password={password}]\n")
+    try:
+        yield [f"@{args}"]
+    finally:
+        args.unlink(missing_ok=True)
+
+
+def _check_scram_format(settings: Settings, run: Path, data: Path) -> None:
+    """A log dir formatted without this data root's credential would refuse every login."""
+    if not kafka_auth.scram_on(settings):
+        return
+    mark = run / _SCRAM_MARK
+    if not mark.exists() or mark.read_text().strip() != kafka_auth.fingerprint(settings):
+        raise ServiceError(
+            f"the embedded Kafka's log dir {data} was formatted without the SCRAM credential in "
+            f"{kafka_auth.credential_file(settings)}, so the broker would refuse iotlake's clients: "
+            f"set kafka.embedded_security = \"plaintext\" again, or delete {run} (its records are "
+            f"lost) to format it anew with SCRAM")
+
+
+def wait_for_kafka(bootstrap: str, timeout: float, svc: Service | None = None,
+                   security: dict[str, object] | None = None) -> None:
+    """Until the broker answers metadata with itself in it (its port opens earlier);
+    ``security``: the login it asks for (``kafka_auth.client_security``)."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log.connection.close": False})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log.connection.close": False, **(security or {})})
     deadline = time.monotonic() + timeout
     while True:
         if svc is not None and svc.proc is not None and svc.proc.poll() is not None:

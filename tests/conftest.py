@@ -167,6 +167,7 @@ _LONG_FILES = ("test_bench_processes.py", "test_chaos.py", "test_benchmarks.py",
                "test_dags.py", "test_sparkplug.py", "test_device_auth.py",
                "test_scaleout_s3.py", "test_quickstart.py",
                "test_maintenance.py", "test_backfill.py", "test_run_restart.py", "test_status.py",
+               "test_kafka_security.py",
                "test_silver.py", "test_fuzz.py", "test_kafka_broker.py", "test_expectations.py",
                "test_security.py", "test_query.py")
 
