@@ -283,13 +283,15 @@ class SparkSettings(_Section):
 
 
 class StreamSettings(_Section):
-    trigger_seconds: float = Field(1.0, ge=0)
-    # Gold's two stateful queries cost the most per batch; a longer interval leaves the cores to
-    # bronze and silver (lower silver latency) at the price of fresher status. <0: trigger_seconds.
-    gold_trigger_seconds: float = Field(-1.0)
+    # bronze and silver: the latency path (threshold alerts read silver's batches)
+    trigger_seconds: float = Field(0.5, ge=0)
+    # Gold's two stateful queries cost the most per batch; a longer interval spreads that cost
+    # over more rows and leaves the cores to bronze and silver, at the price of device status a
+    # few seconds later (bench/alert_latency.py, docs/benchmarks.md). <0: trigger_seconds.
+    gold_trigger_seconds: float = Field(3.0)
     # Gold's window aggregates (1-minute windows) need no refresh as often as device health:
     # a longer interval leaves the cores to the latency path. <0: gold_trigger_seconds.
-    windows_trigger_seconds: float = Field(-1.0)
+    windows_trigger_seconds: float = Field(10.0)
     max_offsets_per_trigger: int = Field(200_000, ge=1)
     # A live bronze batch waits for this many new Kafka records, or at most
     # ``max_batch_delay_seconds`` after the previous batch (Kafka source's minOffsetsPerTrigger /

@@ -99,7 +99,8 @@ def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
         },
         mqtt={"host": "127.0.0.1", "port": TEST_MQTT_PORT, "client_id": f"iotlake-bridge-{n}",
               "topic_filter": f"t{n}/devices/+/telemetry", **TEST_MQTT_LOGIN},
-        stream={"trigger_seconds": 0.5},
+        # gold at the streams' interval (not its 3-s default): tests wait for gold's batches
+        stream={"trigger_seconds": 0.5, "gold_trigger_seconds": -1, "windows_trigger_seconds": -1},
         observability={"metrics_port": 0},
         spark={"master": "local[2]", "shuffle_partitions": 2},
     )

@@ -107,9 +107,13 @@ def test_each_layer_gets_its_trigger_interval() -> None:
         s = load_settings(environ={}, stream={"trigger_seconds": 0.5, **stream})
         return trigger_kwargs(s, "live", layer)["processingTime"]
 
-    assert ms({}, "") == ms({}, "gold") == ms({}, "windows") == "500 milliseconds"
-    assert ms({"gold_trigger_seconds": 3}, "gold") == "3000 milliseconds"
-    assert ms({"gold_trigger_seconds": 3}, "windows") == "3000 milliseconds"
+    # the defaults: 0.5 s for bronze and silver, 3 s for gold's health, 10 s for its windows
+    assert (ms({}, ""), ms({}, "gold"), ms({}, "windows")) == (
+        "500 milliseconds", "3000 milliseconds", "10000 milliseconds")
+    same = {"gold_trigger_seconds": -1, "windows_trigger_seconds": -1}
+    assert ms(same, "") == ms(same, "gold") == ms(same, "windows") == "500 milliseconds"
+    assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": -1}, "gold") == "3000 milliseconds"
+    assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": -1}, "windows") == "3000 milliseconds"
     assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": 10}, "windows") == "10000 milliseconds"
     assert ms({"gold_trigger_seconds": 3, "windows_trigger_seconds": 10}, "gold") == "3000 milliseconds"
     assert ms({"windows_trigger_seconds": 10}, "") == "500 milliseconds"
