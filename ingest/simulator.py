@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import paho.mqtt.client as mqtt
 
-from lakehouse import mqtt_auth, mqtt_tls
+from lakehouse import mqtt_auth
 from lakehouse.settings import Settings
 from lakehouse.telemetry import TelemetryModel, topic_parts
 
@@ -325,13 +325,7 @@ def mqtt_client(settings: Settings, client_id: str = "", protocol: int = mqtt.MQ
     broker; never logged)."""
     c = client_class(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
                      **kwargs)
-    credential = mqtt_auth.login(settings, role)
-    if credential is not None:
-        c.username_pw_set(*credential)
-    tls = mqtt_tls.client_files(settings)
-    if tls is not None:
-        ca, cert, key = tls
-        c.tls_set(ca_certs=ca, certfile=cert, keyfile=key)
+    mqtt_auth.configure_client(c, settings, role)
     return c
 
 

@@ -48,18 +48,19 @@ def upsert(settings: Settings, rows: pa.Table) -> None:
 
 
 class Registered:
-    """The registry's device ids, read again only when the table has a new version."""
+    """The registry's device ids (``Metadata``'s rows), made again only when the table has a
+    new version: the same set object until then."""
 
     def __init__(self, settings: Settings) -> None:
-        self.path = path(settings)
-        self.version = -1
+        self.metadata = Metadata(settings)
+        self.version = -2  # not made yet
         self.ids: frozenset[str] = frozenset()
 
     def current(self) -> frozenset[str]:
-        v = delta_read.latest_version(self.path, known=self.version if self.version >= 0 else None)
-        if v != self.version:
-            ids = delta_read.read_table(self.path, v, ["device_id"]).column(0).to_pylist() if v >= 0 else []
-            self.ids, self.version = frozenset(i for i in ids if i), v
+        self.metadata.refresh()
+        if self.metadata.version != self.version:
+            ids = self.metadata.rows.column("device_id").to_pylist()
+            self.ids, self.version = frozenset(i for i in ids if i), self.metadata.version
         return self.ids
 
 

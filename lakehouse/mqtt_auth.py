@@ -166,6 +166,29 @@ def service_acl(settings: Settings) -> dict[str, list[str]]:
     return {ROLES["bridge"]: bridge, ROLES["simulator"]: simulator, ROLES["alerts"]: alerts}
 
 
+def client_tls(settings: Settings) -> tuple[str | None, str | None, str | None] | None:
+    """(CA, certificate, key) iotlake's own clients connect with; None: plaintext. The broker
+    iotlake runs with ``mqtt.tls`` on is trusted by iotlake's CA unless ``mqtt.tls_ca`` names one."""
+    m = settings.mqtt
+    ca = m.tls_ca or None
+    if m.tls and ca is None and managed(settings):
+        ca = str(mqtt_tls.ca_file(settings))
+    if ca is None and not m.tls_cert and not m.tls:
+        return None
+    return ca, m.tls_cert or None, m.tls_key or None
+
+
+def configure_client(client, settings: Settings, role: str) -> None:
+    """A paho client with the credential of iotlake's client ``role`` (``login``; never
+    logged) and TLS (``client_tls``) applied."""
+    credential = login(settings, role)
+    if credential is not None:
+        client.username_pw_set(*credential)
+    tls = client_tls(settings)
+    if tls is not None:
+        client.tls_set(ca_certs=tls[0], certfile=tls[1], keyfile=tls[2])
+
+
 def login(settings: Settings, role: str) -> tuple[str, str | None] | None:
     """(user name, password) iotlake's client in ``role`` connects with: ``mqtt.username`` when
     set, the role's generated credential on a broker iotlake runs, else none."""
@@ -215,17 +238,6 @@ def locked(settings: Settings) -> Iterator[None]:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _write(path: Path, text: str) -> None:
-    """Atomically, owner-only: the broker reads a whole old or a whole new file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _read_services(settings: Settings) -> dict[str, str]:
     f = _services_file(settings)
     return json.loads(f.read_text()) if f.exists() else {}
@@ -253,20 +265,20 @@ def write_files(settings: Settings, devices: dict[str, str] | None = None) -> No
         if devices is None:
             devices = read_devices(settings)
         else:
-            _write(_devices_file(settings), "".join(f"{u}:{h}\n" for u, h in devices.items()))
+            mqtt_tls.write_private(_devices_file(settings), "".join(f"{u}:{h}\n" for u, h in devices.items()))
         services = service_acl(settings)
         passwords = _read_services(settings) if not settings.mqtt.username else {}
         if not settings.mqtt.username and set(services) - set(passwords):
             passwords.update({u: new_password() for u in set(services) - set(passwords)})
-            _write(_services_file(settings), json.dumps(passwords, indent=1))
+            mqtt_tls.write_private(_services_file(settings), json.dumps(passwords, indent=1))
         own = {u: settings.mqtt.password if settings.mqtt.username else passwords[u] for u in services}
         own_lines = "".join(f"{u}:{hash_password(p)}\n" for u, p in own.items())
         # a device of a client certificate ("" in the store) has no password: its ACL only
         device_lines = "".join(f"{u}:{h}\n" for u, h in devices.items() if u not in own and h)
         # one file for a broker with one listener; one per kind for the two of a device port
-        _write(d / "passwd", own_lines + device_lines)
-        _write(d / "passwd-services", own_lines)
-        _write(d / "passwd-devices", device_lines)
+        mqtt_tls.write_private(d / "passwd", own_lines + device_lines)
+        mqtt_tls.write_private(d / "passwd-services", own_lines)
+        mqtt_tls.write_private(d / "passwd-devices", device_lines)
         acl = ["# written by iotlake (lakehouse/mqtt_auth.py) from the device store and the "
                "telemetry model: change devices with `iotlake devices`, not here"]
         if settings.mqtt.allow_anonymous:  # lines before any user: clients without a user name
@@ -276,7 +288,7 @@ def write_files(settings: Settings, devices: dict[str, str] | None = None) -> No
         for user in devices:
             if user not in own:
                 acl += [f"user {user}", *device_acl(settings, user)]
-        _write(d / "acl", "\n".join(acl) + "\n")
+        mqtt_tls.write_private(d / "acl", "\n".join(acl) + "\n")
 
 
 def _listeners(bind: str, port: int) -> list[str]:
@@ -388,10 +400,7 @@ def cut_off(settings: Settings, client_id: str, timeout: float = 10.0) -> None:
 
     done = threading.Event()
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-    c.username_pw_set(*login(settings, "bridge"))
-    tls = mqtt_tls.client_files(settings)
-    if tls is not None:
-        c.tls_set(ca_certs=tls[0], certfile=tls[1], keyfile=tls[2])
+    configure_client(c, settings, "bridge")
     c.on_connect = lambda *_: done.set()
     c.connect("127.0.0.1", settings.mqtt.embedded_port, clean_start=True)
     c.loop_start()

@@ -46,12 +46,16 @@ def tls_dir(settings: Settings) -> Path:
     return settings.root / "mqtt" / "tls"
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes | str) -> None:
+    """Atomically, owner-only (the broker's key, CA and credential files: ``mqtt_auth`` too):
+    the broker reads a whole old or a whole new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -84,8 +88,8 @@ def _ca(settings: Settings) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKe
                                          encipher_only=False, decipher_only=False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(k.public_key()), critical=False)
             .sign(k, hashes.SHA256()))
-    _write(key, _key_pem(k))
-    _write(crt, cert.public_bytes(serialization.Encoding.PEM))
+    write_private(key, _key_pem(k))
+    write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
     return cert, k
 
 
@@ -97,18 +101,6 @@ def ca_file(settings: Settings) -> Path:
         return Path(m.tls_ca)
     _ca(settings)
     return tls_dir(settings) / "ca.crt"
-
-
-def client_files(settings: Settings) -> tuple[str | None, str | None, str | None] | None:
-    """(CA, certificate, key) iotlake's own clients connect with; None: plaintext. The embedded
-    broker with ``mqtt.tls`` on is trusted by iotlake's CA unless ``mqtt.tls_ca`` names one."""
-    m = settings.mqtt
-    ca = m.tls_ca or None
-    if m.tls and ca is None and (not m.host or m.host in ("127.0.0.1", "localhost", "::1")):
-        ca = str(ca_file(settings))  # the embedded broker's: iotlake's CA
-    if ca is None and not m.tls_cert and not m.tls:
-        return None
-    return ca, m.tls_cert or None, m.tls_key or None
 
 
 def server_names(settings: Settings) -> list[str]:
@@ -162,9 +154,9 @@ def broker_files(settings: Settings) -> BrokerFiles:
     if not (crt.exists() and key.exists() and names_file.exists()
             and json.loads(names_file.read_text()) == names):
         cert, k = _sign(*_ca(settings), "iotlake mqtt", CA_DAYS, server=names)
-        _write(key, _key_pem(k))
-        _write(crt, cert.public_bytes(serialization.Encoding.PEM))
-        _write(names_file, json.dumps(names).encode())
+        write_private(key, _key_pem(k))
+        write_private(crt, cert.public_bytes(serialization.Encoding.PEM))
+        write_private(names_file, json.dumps(names).encode())
     return BrokerFiles(ca_file(settings), crt, key, crl)
 
 
@@ -200,7 +192,7 @@ def issue(settings: Settings, device_ids: list[str]) -> dict[str, dict[str, str]
         book["active"][device_id] = str(cert.serial_number)
         out[device_id] = {"certificate": cert.public_bytes(serialization.Encoding.PEM).decode(),
                           "key": _key_pem(k).decode(), "ca_certificate": ca_pem}
-    _write(_issued_file(settings), json.dumps(book).encode())
+    write_private(_issued_file(settings), json.dumps(book).encode())
     if any(r[1] == now for r in book["revoked"]):
         write_crl(settings, book)
     return out
@@ -217,7 +209,7 @@ def revoke(settings: Settings, device_id: str) -> bool:
     if serial is None:
         return False
     book["revoked"].append([serial, int(_now().timestamp())])
-    _write(_issued_file(settings), json.dumps(book).encode())
+    write_private(_issued_file(settings), json.dumps(book).encode())
     write_crl(settings, book)
     return True
 
@@ -234,5 +226,5 @@ def write_crl(settings: Settings, book: dict | None = None) -> Path:
             x509.RevokedCertificateBuilder().serial_number(int(serial))
             .revocation_date(dt.datetime.fromtimestamp(at, dt.UTC)).build())
     path = tls_dir(settings) / "crl.pem"
-    _write(path, b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    write_private(path, b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
     return path
