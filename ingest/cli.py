@@ -45,7 +45,58 @@ def register(subparsers: Any) -> None:
     s.add_argument("--profile", choices=("json", "sparkplug"), default=None,
                    help="what the devices speak (default: sparkplug when telemetry.sparkplug is "
                         "on, else json; --events always publishes json)")
+    add_anomaly_arguments(s)
     s.set_defaults(func=lambda args, settings: run_simulator(args, settings))
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in [0, 1], "
+                                         "e.g. 0.2") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1] (got {text}), e.g. 0.2")
+    return v
+
+
+def _readings(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of readings") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 readings (got {v})")
+    return v
+
+
+def add_anomaly_arguments(p: argparse.ArgumentParser) -> None:
+    """The labelled-fault flags, the same for ``iotlake simulate`` and ``iotlake run``."""
+    p.add_argument("--anomalies", type=fraction, default=0.0, metavar="FRACTION",
+                   help="this fraction of the devices gets labelled faults (spike, level shift, "
+                        "stuck value, drift, dropout) on a gold metric; the rest stay healthy")
+    p.add_argument("--faults-file", default=None, metavar="PATH",
+                   help="where the faults' ground truth goes, one JSON line each "
+                        "(default: <data_root>/simulator/faults.jsonl)")
+    p.add_argument("--anomaly-warmup", type=_readings, default=300, metavar="READINGS",
+                   help="readings per device before its first fault (the detectors learn; default 300)")
+    p.add_argument("--anomaly-length", type=_readings, default=120, metavar="READINGS",
+                   help="readings a sustained fault lasts (a drift twice that; default 120)")
+
+
+def anomaly_plan(args: argparse.Namespace, settings: Settings):
+    """The ``ingest.faults.AnomalyPlan`` the flags ask for, or None."""
+    from pathlib import Path
+
+    from ingest.faults import AnomalyPlan, default_path
+
+    if not args.anomalies:
+        return None
+    path = Path(args.faults_file) if args.faults_file else default_path(settings.root)
+    plan = AnomalyPlan(args.anomalies, args.anomaly_warmup, args.anomaly_length, path)
+    log.info("labelled faults on %.0f%% of the devices; ground truth: %s", 100 * plan.fraction, path)
+    return plan
 
 
 def _stop_on_signals() -> threading.Event:
@@ -139,14 +190,16 @@ def run_simulator(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.rate <= 0 or args.devices < 1:
         raise ValueError("--rate must be > 0 and --devices >= 1")
+    plan = anomaly_plan(args, settings)
     if args.events:
         n = args.events
         msgs = generate(settings, n, devices=args.devices, duplicates=int(n * args.duplicates),
                         malformed=int(n * args.malformed), late=int(n * args.late),
-                        seed=args.seed, rate=args.rate)
+                        seed=args.seed, rate=args.rate, anomalies=plan)
         print(publish(settings, msgs, rate=args.rate))
         return 0
     faults = {"duplicates": args.duplicates, "malformed": args.malformed, "late": args.late,
               "seed": args.seed}
-    run_forever(settings, args.rate, args.devices, _stop_on_signals(), faults, args.profile)
+    run_forever(settings, args.rate, args.devices, _stop_on_signals(), faults, args.profile,
+                anomalies=plan)
     return 0

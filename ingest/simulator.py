@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import paho.mqtt.client as mqtt
 
+from ingest.faults import AnomalyPlan, Injector
 from lakehouse import mqtt_auth
 from lakehouse.settings import Settings
 from lakehouse.telemetry import TelemetryModel, topic_parts
@@ -77,10 +78,12 @@ def format_ts(dt: datetime) -> str:
 
 
 class Fleet:
-    """Per-device state (clock, sensor random walks) shared by batch and continuous modes."""
+    """Per-device state (clock, sensor random walks) shared by batch and continuous modes;
+    ``anomalies``: labelled faults on some devices (``ingest.faults``, drawn from ``seed``)."""
 
     def __init__(self, settings: Settings, devices: int, rng: random.Random,
-                 start: datetime | None, rate: float) -> None:
+                 start: datetime | None, rate: float, anomalies: AnomalyPlan | None = None,
+                 seed: int = 0) -> None:
         if devices < 1:
             raise ValueError("devices must be >= 1")
         if rate <= 0:
@@ -105,6 +108,8 @@ class Fleet:
         self._start_us = (self.start - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
         self._interval_us = self.interval // timedelta(microseconds=1)
         self._minute, self._prefix = -1, ""
+        self.injector = Injector(anomalies, model, self.ids, seed, self._start_us, self._interval_us) \
+            if anomalies is not None and anomalies.fraction > 0 else None
 
     def new_event_id(self) -> str:
         return f"{self.rng.getrandbits(128):032x}"
@@ -123,13 +128,22 @@ class Fleet:
         ts_us = self._start_us + k * self._interval_us
         if late:
             ts_us -= rng.randint(60_000, 300_000) * 1000
+        inj = self.injector if self.injector is not None and self.injector.faulted(d) else None
         if self.custom is not None:
-            return self.topics[d], *self.custom.reading(d, ts_us)
+            adjust = None if inj is None else lambda i, v: inj.value(d, k, i, v)
+            return self.topics[d], *self.custom.reading(d, ts_us, adjust)
         self.temp[d] += rng.gauss(0.0, 0.2)
         self.hum[d] = min(100.0, max(0.0, self.hum[d] + rng.gauss(0.0, 0.5)))
         self.battery[d] = max(0.0, self.battery[d] - rng.uniform(0.0, 0.02))
         event_id = self.new_event_id()
         status = "error" if rng.random() < 0.01 else "ok"
+        if inj is not None:
+            values = (inj.value(d, k, i, v) for i, v in enumerate((self.temp[d], self.hum[d], self.battery[d])))
+            fields = "".join(f'"{m.name}":{round(v, 2)!r},' for m, v in zip(SENSOR.metrics, values, strict=True)
+                             if v is not None)
+            payload = (f'{{"schema_version":1,"device_id":"{self.ids[d]}","event_id":"{event_id}",'
+                       f'"ts":"{self._ts_text(ts_us)}",{fields}"status":"{status}"}}')
+            return self.topics[d], payload.encode(), event_id
         payload = (f'{{"schema_version":1,"device_id":"{self.ids[d]}","event_id":"{event_id}",'
                    f'"ts":"{self._ts_text(ts_us)}","temperature":{round(self.temp[d], 2)!r},'
                    f'"humidity":{round(self.hum[d], 2)!r},"battery":{round(self.battery[d], 2)!r},'
@@ -207,7 +221,9 @@ class ModelPayloads:
             return ts_us
         return format_ts(datetime.fromtimestamp(ts_us / 1e6, UTC))
 
-    def record(self, d: int, ts_us: int) -> tuple[dict, str | None]:
+    def record(self, d: int, ts_us: int, adjust=None) -> tuple[dict, str | None]:
+        """Device ``d``'s next record; ``adjust(metric_index, value)``: the value to send
+        (None: leave the metric out), for injected faults."""
         m, rng = self.model, self.rng
         rec: dict = {}
         event_id = None
@@ -227,13 +243,15 @@ class ModelPayloads:
             v = min(hi, v) if hi is not None else v
             v = max(lo, v) if lo is not None else v
             vals[i] = v
+            if adjust is not None and (v := adjust(i, v)) is None:
+                continue
             set_field(rec, metric.source, int(round(v)) if metric.type == "long" else round(v, 3))
         if m.status_path:
             set_field(rec, m.status_path, m.error_status if m.error_status and rng.random() < 0.01 else "ok")
         return rec, event_id
 
-    def reading(self, d: int, ts_us: int) -> tuple[bytes, str | None]:
-        rec, event_id = self.record(d, ts_us)
+    def reading(self, d: int, ts_us: int, adjust=None) -> tuple[bytes, str | None]:
+        rec, event_id = self.record(d, ts_us, adjust)
         payload = encode(rec)
         if event_id is None:  # the id silver derives: device and raw payload
             event_id = hashlib.md5(self.ids[d].encode() + b"\x00" + payload).hexdigest()
@@ -286,9 +304,11 @@ def generate(
     seed: int = 0,
     start: datetime | None = None,
     rate: float = 100.0,
+    anomalies: AnomalyPlan | None = None,
 ) -> list[Message]:
     """``events`` messages in total; unique valid readings = events - duplicates - malformed
-    (``late`` of them with ts 1-5 min behind the simulated clock). Same seed+start, same bytes."""
+    (``late`` of them with ts 1-5 min behind the simulated clock). Same seed+start, same bytes.
+    ``anomalies``: labelled faults on some devices' readings (``ingest.faults``)."""
     if min(events, duplicates, malformed, late) < 0:
         raise ValueError("counts must be >= 0")
     readings = events - duplicates - malformed
@@ -297,7 +317,7 @@ def generate(
     if duplicates and not readings:
         raise ValueError("duplicates need at least one valid reading to duplicate")
     rng = random.Random(seed)
-    fleet = Fleet(settings, devices, rng, start, rate)
+    fleet = Fleet(settings, devices, rng, start, rate, anomalies, seed)
     kinds = (["valid"] * (readings - late) + ["late"] * late
              + ["duplicate"] * duplicates + ["malformed"] * malformed)
     rng.shuffle(kinds)
@@ -418,23 +438,29 @@ def publish(settings: Settings, messages: Iterable[Message], rate: float | None 
 
 def run_forever(settings: Settings, rate: float, devices: int, stop: threading.Event,
                 faults: dict | None = None, profile: str | None = None,
-                drain_seconds: float = 30.0) -> int:
+                drain_seconds: float = 30.0, anomalies: AnomalyPlan | None = None) -> int:
     """Continuous mode: publish ``rate`` msg/s until ``stop``. ``faults`` gives the fractions
     of ``duplicates``, ``malformed`` and ``late`` messages (e.g. ``{"duplicates": 0.01}``).
     ``profile``: ``json`` or ``sparkplug`` (edge nodes, ``ingest.sparkplug_sim``); default:
     Sparkplug when the telemetry model takes it, else JSON. On stop it waits up to
     ``drain_seconds`` for acknowledgements, then returns the count sent (a warning names the
-    unacknowledged ones)."""
+    unacknowledged ones). ``anomalies``: labelled faults on some devices' readings
+    (``ingest.faults``; JSON only), drawn from the same seed."""
     faults = dict(faults or {})
     unknown = set(faults) - {"duplicates", "malformed", "late", "seed"}
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}; use duplicates, malformed, late")
     p_dup, p_bad, p_late = (float(faults.get(k, 0.0)) for k in ("duplicates", "malformed", "late"))
-    rng = random.Random(int(faults.get("seed", 0)))
-    fleet = Fleet(settings, devices, rng, None, rate)
+    seed = int(faults.get("seed", 0))
+    rng = random.Random(seed)
+    use_sparkplug = profile == "sparkplug" or (profile is None and settings.telemetry.sparkplug)
+    if use_sparkplug and anomalies is not None and anomalies.fraction > 0:
+        raise ValueError("--anomalies needs JSON devices (--profile json): Sparkplug devices "
+                         "keep no simulated clock to label faults by")
+    fleet = Fleet(settings, devices, rng, None, rate, anomalies, seed)
     recent: list[Message] = []
     sparkplug = None
-    if profile == "sparkplug" or (profile is None and settings.telemetry.sparkplug):
+    if use_sparkplug:
         from ingest.sparkplug_sim import SparkplugFleet
 
         sparkplug = SparkplugFleet(settings, devices, rng).messages()

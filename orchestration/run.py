@@ -126,8 +126,9 @@ def detach_metrics(spark) -> None:
 
 
 def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: int = 100,
-        stop: threading.Event | None = None) -> int:
-    """Run until ``stop`` is set (or a signal arrives); stops the Spark session it used."""
+        stop: threading.Event | None = None, anomalies=None) -> int:
+    """Run until ``stop`` is set (or a signal arrives); stops the Spark session it used.
+    ``anomalies``: the simulator's labelled faults (an ``ingest.faults.AnomalyPlan``)."""
     from orchestration.pipeline import LAYERS, Running, check_alive, start_layers
     from orchestration.services import embedded_services
 
@@ -172,7 +173,7 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             from ingest.simulator import run_forever
 
             t = threading.Thread(target=run_forever, args=(settings, simulate, devices, sim_stop),
-                                 name="simulator", daemon=True)
+                                 kwargs={"anomalies": anomalies}, name="simulator", daemon=True)
             t.start()
             stack.callback(lambda: (sim_stop.set(), t.join(10)))
         log.info("iotlake running (role=%s); Ctrl-C to stop", role)
@@ -272,7 +273,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--simulate", type=float, default=0.0, metavar="RATE",
                    help="also publish simulated telemetry at RATE messages/s")
     p.add_argument("--devices", type=int, default=100, help="simulated devices (with --simulate)")
-    p.set_defaults(func=lambda a, s: run(s, a.role, a.simulate, a.devices))
+    from ingest.cli import add_anomaly_arguments
+
+    add_anomaly_arguments(p)
+    p.set_defaults(func=_run_cmd)
 
     d = sub.add_parser("demo", help="publish N simulated events end to end and check every layer")
     d.add_argument("--events", type=_positive, default=2000)
@@ -284,6 +288,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="simulated clock start (with --seed: the same bytes every run)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo_cmd)
+
+
+def _run_cmd(args: argparse.Namespace, settings: Settings) -> int:
+    from ingest.cli import anomaly_plan
+
+    if args.anomalies and args.simulate <= 0:
+        raise ValueError("--anomalies labels the simulator's faults: give --simulate RATE too")
+    if args.anomalies and settings.telemetry.sparkplug:
+        raise ValueError("--anomalies needs JSON devices: the simulator's Sparkplug devices keep "
+                         "no simulated clock to label faults by")
+    return run(settings, args.role, args.simulate, args.devices, anomalies=anomaly_plan(args, settings))
 
 
 def _demo_cmd(args: argparse.Namespace, settings: Settings) -> int:
