@@ -21,6 +21,9 @@ SUBPROCESS = {
     "alert_latency": Headline(nonzero=("rate", "threshold_p50_s", "threshold_p99_s", "notifications_per_incident",
                                        "incidents"),
                               finite=("silence_extra_s", "lost", "duplicated", "status_changes_per_device_hour")),
+    "anomaly_live": Headline(nonzero=("devices", "hours", "faults", "healthy_devices"),
+                             finite=("false_per_device_day", *(f"recall.{k}" for k in
+                                                                ("spike", "level_shift", "stuck", "drift", "dropout")))),
     "anomaly_quality": Headline(nonzero=("state_bytes_per_key", "readings_per_s", "kernel_rows_per_s_10k_keys"),
                                 finite=("score", "score_direct", "score_leave_one_category_out",
                                         "baseline_score", "ratio")),
@@ -55,6 +58,9 @@ def test_bench_smoke(bench: str, tmp_path: Path) -> None:
     last = check_last_line(bench, proc.stdout, SUBPROCESS[bench])
     if bench == "alert_latency":  # every incident notified once
         assert (last["lost"], last["duplicated"], last["notifications_per_incident"]) == (0, 0, 1.0), last
+    if bench == "anomaly_live":  # the ground truth holds faults of every kind, each over in time
+        assert all(n >= 1 for n in last["faults_by_kind"].values()), last
+        assert set(last["faults_by_kind"]) == set(last["recall"]), last
     if bench == "soak":  # sampled the whole run, every probe reached silver, upkeep kept files down
         assert last["samples"] >= 4 and last["lost"] == 0 and last["probes"] > 0, last
         assert 0 < last["files_max"] <= 200, last
