@@ -48,6 +48,7 @@ from pyspark.sql.types import DoubleType, LongType, StructField, StructType
 from silver_throughput import PROFILES, floor_query, profile_model
 
 import gold.health
+import gold.state_store
 import gold.windows
 from gold.device_state import state_files
 from lakehouse.delta_tables import spark_schema
@@ -265,7 +266,7 @@ def _floor_health(spark: SparkSession, s: Settings) -> StreamingQuery:
                       StructField("score", DoubleType())])
     df = (gold.windows.silver_stream(spark, s).select(*cols)
           .withWatermark("event_time", f"{s.stream.watermark_seconds} seconds")
-          .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(gold.health.STATE_BUCKETS)))
+          .withColumn("bucket", F.pmod(F.xxhash64("device_id"), F.lit(gold.state_store.STATE_BUCKETS)))
           .groupBy("bucket").applyInPandasWithState(count, out, state, "append", GroupStateTimeout.NoTimeout))
     return floor_query(df, s, "floor_health")
 
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             "windows_floor_rows_per_s": main_run.get("windows_floor", {}).get("rows_per_s"),
             "health_state": s.gold.health_state,
             # state_store: rows are device buckets; driver: devices (state_disk_mb: its files)
-            "state_rows": h.get("state_rows"), "state_buckets": gold.health.STATE_BUCKETS,
+            "state_rows": h.get("state_rows"), "state_buckets": gold.state_store.STATE_BUCKETS,
             "state_memory_mb": h.get("state_memory_mb"),
             "state_disk_mb": h.get("rocksdbTotalSizeOnDisk_mb", h.get("rocksdbSstFileSize_mb", h.get("state_disk_mb"))),
             "windows_state_rows": main_run.get("windows", {}).get("state_rows"),

@@ -4,11 +4,11 @@ Spark's arbitrary-state operator costs every batch a shuffle by device bucket, a
 of each bucket through a Python worker, its state (de)serialised per bucket and the output
 cached for four writes: about as much as the rest of the batch (docs/benchmarks.md). Here a
 batch goes to the driver as Arrow, as silver's does for its dedup index, where one
-column-wise ``Bucket`` holds every device and ``gold.health.score_readings`` scores the batch in
+column-wise ``Bucket`` holds every device and ``gold.scoring.score_readings`` scores the batch in
 one call; the four tables are written from the result.
 
 The same rules as the state-store mode: readings at or before the watermark of the previous
-batch are late and dropped; statuses change once held (``gold.health._hold``); a device with no
+batch are late and dropped; statuses change once held (``gold.scoring._hold``); a device with no
 reading for ``offline_after_seconds`` goes offline once the watermark passes its deadline. Spark
 runs no batch without data for a query without a stateful operator, so the watermark a no-data
 batch would bring (the batch's own maximum event time less the delay) applies at the end of the
@@ -48,7 +48,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from gold.anomaly import MODELS, DetectorConfig, state_fields
-from gold.health import (
+from gold.registry import RegistryJoin
+from gold.scoring import (
     TABLES,
     Bucket,
     Rows,
@@ -64,7 +65,6 @@ from gold.health import (
     time_out,
     time_out_received,
 )
-from gold.registry import RegistryJoin
 from gold.ticks import LiveStarts, TickTimer, batch_time_ms
 from lakehouse import delta_txn, observers
 from lakehouse.concurrent_writes import run_at_once
@@ -314,7 +314,7 @@ def arrow(columns: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
 
 def scored(readings: dict[str, np.ndarray], metrics: tuple[str, ...]) -> pa.Table:
     """``readings_scored``: the output's reading rows unpivoted, one row per present metric
-    (as ``gold.health.readings_scored`` does in Spark): a record batch per metric, sharing the
+    (as ``gold.state_store.readings_scored`` does in Spark): a record batch per metric, sharing the
     id, device and time columns."""
     n = len(readings["kind"])
     if not n:

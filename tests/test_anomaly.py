@@ -320,7 +320,7 @@ def test_version_1_state_continues_without_warm_up() -> None:
 
 def test_version_2_state_continues_without_warm_up() -> None:
     """A version-2 row (before the short view's tail quantiles) upgrades without a warm-up."""
-    import gold.health as health
+    import gold.state_store as health
     from gold.anomaly import _V2_SCALARS, upgrade_rows
 
     x, t, cfg, row = _warm_row(4)
@@ -336,7 +336,7 @@ def test_version_2_state_continues_without_warm_up() -> None:
     assert np.flatnonzero(f).tolist() == [1000]
     with pytest.raises(ValueError, match="neither"):
         upgrade_rows(v2[None, :-1], cfg)
-    # through gold.health's state encoding as well
+    # through the state store's encoding as well
     metrics = ("a", "b", "c")
     k = len(metrics)
     b = health.Bucket.empty(v2.size, k)
@@ -348,8 +348,8 @@ def test_version_2_state_continues_without_warm_up() -> None:
 
 
 def test_health_state_of_version_1_loads_upgraded() -> None:
-    """gold.health's bucket state written by the previous detector loads without a re-warm-up."""
-    import gold.health as health
+    """The state store's bucket state written by the previous detector loads without a re-warm-up."""
+    import gold.state_store as health
     from gold.anomaly import _V1_SCALARS
 
     cfg = DetectorConfig()

@@ -312,9 +312,9 @@ def same_through_both(spark, settings: Settings, table: str) -> pa.Table:
 
 def health_output(spark, temperature: float):
     """A micro-batch of the health state function's output: one reading, status change, current."""
-    import gold.health
+    import gold.scoring
 
-    out = gold.health.out_schema(SENSOR.gold_metrics)
+    out = gold.scoring.out_schema(SENSOR.gold_metrics)
     base = {c.split()[0]: None for c in out.split(", ")}
     reading = base | dict(kind="reading", device_id="dev-r", event_id="e-r", event_time=T0,
                           temperature=temperature, temperature_score=0.1, temperature_baseline=21.0,
@@ -327,13 +327,13 @@ def health_output(spark, temperature: float):
 
 
 def test_replayed_health_batch_writes_nothing_twice(spark, gold_settings) -> None:
-    import gold.health
+    import gold.state_store
 
     s = gold_settings
     tables = ("readings_scored", "anomalies", "device_status_history", "device_current")
     append_silver(s, [reading(d, T0 + timedelta(seconds=10 * i)) for i in range(3) for d in ("dev-1", "dev-2")])
     run_health(spark, s)
-    batch = gold.health.HealthBatch(s, "replay-test")
+    batch = gold.state_store.HealthBatch(s, "replay-test")
     batch(health_output(spark, 21.5), 7)
     before = versions(s, tables)
     rows = {t: same_through_both(spark, s, t) for t in tables}
@@ -389,7 +389,7 @@ def test_replayed_window_batch_writes_nothing_twice(spark, gold_settings, tmp_pa
 def test_a_reading_without_a_model_has_no_model_name_compiled_or_not(spark) -> None:
     """Spark takes ``element_at`` at a null index for never null (ANSI): compiled, it gave the
     last model's name (or wrote a null unchecked); the name is null in both modes."""
-    import gold.health
+    import gold.state_store
     from lakehouse.spark import session_confs
 
     rows = [("e-1", None), ("e-2", 0.0)]
@@ -401,8 +401,8 @@ def test_a_reading_without_a_model_has_no_model_name_compiled_or_not(spark) -> N
     for mode in ("FALLBACK", "NO_CODEGEN"):
         with session_confs(spark, {"spark.sql.codegen.factoryMode": mode}):
             got = {r["event_id"]: r["anomaly_model"] for r in
-                   gold.health.readings_scored(df, ("temperature",)).collect()}
-        assert got == {"e-1": None, "e-2": gold.health.MODELS[0]}, mode
+                   gold.state_store.readings_scored(df, ("temperature",)).collect()}
+        assert got == {"e-1": None, "e-2": gold.state_store.MODELS[0]}, mode
 
 
 # ---- where the health stream keeps device state: the driver or Spark's state store -------------
@@ -468,7 +468,7 @@ def test_the_driver_unpivots_readings_one_row_per_present_metric() -> None:
     value), in metric order; no model yet is a null model name and a NaN score a null."""
     from gold.anomaly import MODELS
     from gold.device_state import scored
-    from gold.health import Rows, out_schema
+    from gold.scoring import Rows, out_schema
 
     metrics = ("a", "b")
     rows = Rows(dict(c.split() for c in out_schema(metrics).split(", ")))
@@ -742,6 +742,7 @@ def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settin
     the first schema and device states without the later columns: the stream runs on, warns
     how to rebuild, and the tables gain the new columns."""
     import gold.health
+    import gold.scoring
     from gold.device_state import DriverHealthBatch, driver_frame
     from gold.windows import silver_stream
     from lakehouse.delta_tables import ensure_named_table
@@ -759,7 +760,7 @@ def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settin
     rows = held(s)
     append_rows(s, rows[:100])
     ckpt = s.checkpoint_path("gold_health")
-    silver = silver_stream(spark, s, columns=gold.health.health_input(s.telemetry))
+    silver = silver_stream(spark, s, columns=gold.scoring.health_input(s.telemetry))
     q = (foreach_batch(driver_frame(silver, s), "gold_health",
                        DriverHealthBatch(s, ckpt, query_id(ckpt), first.names))
          .option("checkpointLocation", ckpt).trigger(availableNow=True).start())

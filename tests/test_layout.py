@@ -3,7 +3,9 @@
 ``lakehouse`` (the foundation every stage uses) sits at the bottom; a record's path reads
 ``ingest`` → ``bronze`` → ``silver`` → ``gold``; ``dashboard`` reads the tables; ``orchestration``
 (the CLI, run, backfill, maintenance...) drives all of them; Airflow's ``dags`` call it. Imports
-inside functions count too: a lazy import is still a dependency.
+inside functions count too: a lazy import is still a dependency. Inside the product packages no
+module imports one that imports it back, however far round (an import circle): each module's
+imports, lazy ones included, form a graph without cycles.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ORDER = ["lakehouse", "ingest", "bronze", "silver", "gold", "dashboard", "orchestration", "dags"]
+#: The product packages whose modules the circle check reads (``expectations`` holds suites'
+#: documentation, no module today).
+PRODUCT = [*ORDER, "expectations"]
+#: Circles left on purpose, each as its modules in sorted order; every entry names its fix.
+KNOWN_CYCLES: set[tuple[str, ...]] = {
+    # issue 70's ingest task (the simulator package split) takes the Sparkplug fleet out of it
+    ("ingest.simulator", "ingest.sparkplug_sim"),
+}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -44,3 +54,100 @@ def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from orchestration.run import run\n    import gold.windows\n")
     assert imported_packages(f) == {"orchestration", "gold"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PRODUCT if (REPO / pkg).is_dir()
+            for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The product modules ``name`` (at ``path``) imports, lazily or not: ``from a.b import c``
+    is module ``a.b.c`` when there is one, else ``a.b``; relative imports resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected group of modules (Tarjan's), as ``a, b, ..., a``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [circle_in(graph, g) for g in groups]
+
+
+def circle_in(graph: dict[str, set[str]], group: list[str]) -> list[str]:
+    """A shortest circle through the group's first module, by breadth-first search."""
+    start, members = group[0], set(group)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v] & members):
+            if w == start:
+                return [*paths[v], start]
+            if w not in paths:
+                paths[w] = [*paths[v], w]
+                queue.append(w)
+    raise AssertionError(group)
+
+
+def test_no_import_circles() -> None:
+    modules = product_modules()
+    graph = {n: imported_modules(n, p, set(modules)) for n, p in modules.items()}
+    circles = [c for c in import_cycles(graph) if tuple(sorted(set(c))) not in KNOWN_CYCLES]
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_check_names_a_circle(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import f\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from . import c\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    paths = {n: tmp_path / "pkg" / f"{n.split('.')[-1]}.py" for n in ("pkg.a", "pkg.b", "pkg.c")}
+    graph = {n: imported_modules(n, p, set(paths)) for n, p in paths.items()}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
