@@ -25,8 +25,8 @@ SUBPROCESS = {
                              finite=("false_per_device_day", *(f"recall.{k}" for k in
                                                                 ("spike", "level_shift", "stuck", "drift", "dropout")))),
     "anomaly_quality": Headline(nonzero=("state_bytes_per_key", "readings_per_s", "kernel_rows_per_s_10k_keys"),
-                                finite=("score", "score_direct", "score_leave_one_category_out",
-                                        "baseline_score", "ratio")),
+                                finite=("score", "score_direct", "score_nested_loco",
+                                        "baseline_score", "ratio", "parameters")),
     "bridge_throughput": Headline(nonzero=("bridge_msgs_per_s", "baseline_msgs_per_s", "bridge_mqtt311_msgs_per_s",
                                            "ratio", "bridge_p50_ms", "bridge_p99_ms", "baseline_p50_ms",
                                            "baseline_p99_ms", "kafka_floor_p50_ms", "kafka_floor_p99_ms",
