@@ -171,7 +171,7 @@ def start(spark: SparkSession, settings: Settings, trigger: str = "live",
     ensure_table(spark, settings)
     app_id = query_id(ckpt)  # also locks the checkpoint: a second writer fails fast
     # A file per Kafka partition per batch made bronze the most crowded table at one-second
-    # batches (docs/benchmarks.md, session 20's soak); one write task per core does the same
+    # batches (an hour-long soak counted them); one write task per core does the same
     # work in fewer files. On a cluster, cores outnumber partitions: nothing changes there.
     tasks = spark.sparkContext.defaultParallelism
     stream = kafka_stream(spark, settings, max_offsets, partition_minutes(path), live=trigger == "live")

@@ -33,8 +33,8 @@ from lakehouse.spark import session_confs
 log = logging.getLogger(__name__)
 
 #: A table at most this large (bytes, per its checksum file) is rewritten whole by an upsert:
-#: reading and writing it costs less than a MERGE's log replay and joins (docs/benchmarks.md,
-#: session 40).
+#: reading and writing it costs less than a MERGE's log replay and joins (measured up to
+#: this size).
 WHOLE_REWRITE_MAX_BYTES = 16 << 20
 
 

@@ -68,7 +68,7 @@ def java_binary() -> str | None:
 
 #: G1 hands heap back after a concurrent cycle that leaves it mostly free and takes it again at
 #: the next load peak, page faults and all: a long run's RSS swung by more than its hour of
-#: native growth (docs/benchmarks.md, session 28). With this the heap grows to what the load
+#: native growth. With this the heap grows to what the load
 #: needs (at most ``spark.driver_memory``) and stays there.
 KEEP_HEAP = "-XX:MaxHeapFreeRatio=100"
 #: The driver's log4j2 configuration: Spark's lines to stderr at WARN and up.

@@ -4,10 +4,10 @@ py4j resolves a dotted name one segment per round trip to the JVM, every time it
 the JVM answers each package segment (``org``, ``org.apache``, ``io.delta`` ...) by failing to
 load a class of that name from every jar on the class path, also once per wildcard import of
 pyspark's gateway for a short name. pyspark, delta-spark's Python API and our Delta commits do
-that for every column, MERGE and commit (the profile of ``iotlake run`` that found it:
-docs/benchmarks.md, session 33). A package or class name resolves the same way for the life of
-the gateway (the jars and pyspark's imports are fixed at its start), so the first answer is
-kept on the object that asked: the next use is an attribute read, without a round trip.
+that for every column, MERGE and commit (a profile of ``iotlake run`` found them among its
+driver's busiest calls). A package or class name resolves the same way for the life of the
+gateway (the jars and pyspark's imports are fixed at its start), so the first answer is kept on
+the object that asked: the next use is an attribute read, without a round trip.
 """
 
 from __future__ import annotations

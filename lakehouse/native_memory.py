@@ -3,8 +3,7 @@
 glibc's malloc raises its mmap threshold each time a large block is freed, so later large blocks
 (the dict tables of silver's dedup index as it grows and shrinks with the stream's lag, pandas
 and Python buffers) come from per-thread arenas, and freed space there stays resident: in an
-hour-long soak one arena of the ``iotlake run`` driver doubled within minutes (docs/benchmarks.md,
-session 21). A fixed threshold returns large blocks to the system when they are freed, and a
+hour-long soak one arena of the ``iotlake run`` driver doubled within minutes. A fixed threshold returns large blocks to the system when they are freed, and a
 periodic ``malloc_trim`` releases the free pages left inside the arenas. Elsewhere (musl, macOS)
 both are no-ops. The JVMs get the same from their own options (``jvm_options``).
 """

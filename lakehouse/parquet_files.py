@@ -3,7 +3,7 @@ statistics Delta records for them.
 
 Silver's and gold's driver-held batches are Arrow tables on the driver already; handing them
 to the JVM to become rows and then Parquet costs many times the CPU of pyarrow's writer
-(docs/benchmarks.md, session 48). Delta still commits the files (``delta_txn.append_table``).
+(measured on silver's batches). Delta still commits the files (``delta_txn.append_table``).
 Statistics follow Delta's rules where this module can match them exactly (strings up to
 Delta's prefix length, timestamps, integers, doubles without NaN); any other column gets its
 null count only, which costs data skipping on it and nothing else.

@@ -230,7 +230,7 @@ class SparkSettings(_Section):
     # the driver JVM's heap fixed at ``driver_memory`` and touched when it starts (-Xms = -Xmx,
     # -XX:+AlwaysPreTouch): the process holds its full size from the start (0.7 s to touch 2 GB)
     # instead of G1 committing more at load peaks. Off: in hour-long soaks the JVM grew as much
-    # with it as without (docs/benchmarks.md, session 25).
+    # with it as without.
     fixed_heap: bool = False
     ui_enabled: bool = False
     # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)
@@ -257,7 +257,7 @@ class SparkSettings(_Section):
     # MB the driver JVM reserves for JIT-compiled code (-XX:ReservedCodeCacheSize; 0: the JVM's
     # 240). A long run's JIT keeps compiling Spark's planner and Delta's code for hours and keeps
     # the memory that code took; once this much is used the JVM flushes cold code instead of
-    # growing (docs/benchmarks.md, session 24: an hour at 1,000 events/s used 125 MB).
+    # growing (an hour at 1,000 events/s used 125 MB).
     code_cache_mb: int = Field(144, ge=0)
     conf: dict[str, str] = Field(default_factory=dict)
 

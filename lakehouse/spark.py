@@ -71,7 +71,7 @@ def spark_session(settings: Settings, app_name: str = "iotlake", batch: bool = F
         # compiled plans Spark keeps (default 100): iotlake's queries generate more distinct
         # classes than that (silver's parse and checks, gold's streams, their writes), and the
         # least recently used of a cyclic set is always the next one needed, so every
-        # micro-batch compiled its classes again (docs/benchmarks.md, session 42)
+        # micro-batch compiled its classes again
         .config("spark.sql.codegen.cache.maxEntries", "1000")
         .config("spark.ui.showConsoleProgress", "false")
         # pandas 2.x warns at every applyInPandasWithState batch (gold health) about a concat
@@ -143,7 +143,7 @@ ARROW_RDD_ROWS = 20_000
 def arrow_frame(spark: SparkSession, table: pa.Table) -> DataFrame:
     """A DataFrame of an Arrow table the driver holds. pyspark turns a table under
     ``spark.sql.execution.arrow.localRelationThreshold`` (48 MB) into rows in the driver, in one
-    thread (seconds for a large silver batch: docs/benchmarks.md, session 42). A large table
+    thread (seconds for a large silver batch). A large table
     goes to the tasks as Arrow batches instead, which convert them in parallel, coalesced to
     as many tasks (files, when written) as a local relation would have."""
     if table.num_rows < ARROW_RDD_ROWS:

@@ -138,7 +138,7 @@ def at_or_before(ts: Column, epoch_us: int) -> Column:
 
     Spark writes a long or timestamp literal into its generated code, so a new bound makes the
     batch's code new: compiled again, and run interpreted until the JIT has compiled it again
-    (docs/benchmarks.md, session 46). A decimal literal is passed to the code as a reference
+    (measured: a per-batch compile on every micro-batch). A decimal literal is passed to the code as a reference
     instead, so the code stays the same from batch to batch. Decimal(18, 0) holds every
     timestamp Spark has (years 1 to 9999 in microseconds)."""
     return F.unix_micros(ts).cast("decimal(18,0)") <= F.lit(Decimal(epoch_us)).cast("decimal(18,0)")

@@ -221,8 +221,7 @@ _SCORES = ("event_id", "score", "baseline", "expected_low", "expected_high")
 
 #: Columns written without Parquet's dictionary encoding, per table: values unique per row (ids,
 #: offsets, raw payloads) or computed to full precision (scores, means), for which the writer
-#: would hash every value into a dictionary only to drop it as no smaller (docs/benchmarks.md,
-#: session 43). Readings themselves keep it: sensors report with few digits, and a dictionary
+#: would hash every value into a dictionary only to drop it as no smaller. Readings themselves keep it: sensors report with few digits, and a dictionary
 #: then pays.
 PLAIN_COLUMNS: dict[str, tuple[str, ...]] = {
     "bronze": ("value", "offset"),

@@ -1,6 +1,7 @@
 """Start, watch and stop the layer streams: bronze -> silver -> gold.
 
-One Spark session runs the three streaming queries; each has its own checkpoint under the data
+One Spark session runs the layers' four streaming queries (bronze, silver, gold windows and gold
+health; three with ``stream.topology = "fused"``); each has its own checkpoint under the data
 root, so any of them can be stopped, killed and restarted without loss or duplication.
 """
 

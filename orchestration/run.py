@@ -196,7 +196,7 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             if time.monotonic() - released >= RELEASE_MEMORY_SECONDS:
                 # The DataFrames each batch creates sit in Python reference cycles and, through
                 # py4j, keep their plans alive in the JVM until CPython's next full collection,
-                # minutes apart under this load (docs/benchmarks.md, session 28).
+                # minutes apart under this load.
                 gc.collect()
                 native_memory.release()
                 released = time.monotonic()

@@ -320,8 +320,8 @@ def kafka_properties(settings: Settings, port: int, controller_port: int, log_di
         "share.coordinator.state.topic.min.isr": 1,
         "group.initial.rebalance.delay.ms": 0,
         # After a kill -9 the restarted node waits out its own previous broker session before it
-        # serves (docs/benchmarks.md, session 29); one node has no other broker to fail over
-        # to, so a shorter session only makes a crash's restart quicker.
+        # serves (Kafka's default, 9 s, held up every restart after a crash); one node has no
+        # other broker to fail over to, so a shorter session only makes a crash's restart quicker.
         "broker.session.timeout.ms": 4000,
         "broker.heartbeat.interval.ms": 1000,
         "num.network.threads": 2,
