@@ -70,7 +70,7 @@ def test_every_bench_has_a_smoke_run() -> None:
     """A new script in bench/ cannot be left out of the smoke runs (libraries excepted)."""
     from test_benchmarks import IN_PROCESS
 
-    libraries = {"chaos_harness", "fleets", "nab_scoring", "procs", "spark_cpu"}
+    libraries = {"anomaly_candidates", "chaos_harness", "fleets", "nab_scoring", "procs", "spark_cpu"}
     scripts = {p.stem for p in (REPO / "bench").glob("*.py")} - libraries
     smoked = {b.split()[0] for b in IN_PROCESS} | set(SUBPROCESS) | {"chaos"}  # chaos: test_chaos.py
     assert scripts == smoked
