@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Airflow (the `airflow` extra: the DAGs) on top of the install, for `make airflow` and the tests
+AIRFLOW_STAMP := $(VENV)/.installed-airflow
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RATE   ?= 200
 DEVICES ?= 50
@@ -29,7 +31,7 @@ run: install $(CDS) $(KAFKA_CDS) ## live pipeline on embedded Mosquitto + Apache
 demo: install $(CDS) $(KAFKA_CDS) ## bounded run: publish events, wait for gold, print accounting JSON
 	$(BIN)/iotlake --config $(CONFIG) demo --events 5000 --devices 20
 
-test: install test-deps $(EDGE_STAMP) $(KAFKA_CDS) ## the whole test suite (real brokers, real Spark, real Delta files)
+test: install $(AIRFLOW_STAMP) test-deps $(EDGE_STAMP) $(KAFKA_CDS) ## the whole test suite (real brokers, real Spark, real Delta files)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
 lint: install
@@ -75,7 +77,11 @@ $(STAMP): pyproject.toml infra/python/constraints.txt
 	$(BIN)/uv cache prune -q
 	@touch $(STAMP)
 
-constraints: $(STAMP)   ## re-pin infra/python/constraints.txt to what .venv holds (after a passing make test)
+$(AIRFLOW_STAMP): pyproject.toml infra/python/constraints.txt | $(STAMP)
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c infra/python/constraints.txt -e '.[dev,airflow]' -C editable_mode=compat
+	@touch $@
+
+constraints: $(STAMP) $(AIRFLOW_STAMP)   ## re-pin infra/python/constraints.txt to what .venv holds (after a passing make test)
 	{ sed -n '1,2p' infra/python/constraints.txt; $(BIN)/uv pip freeze --python $(BIN)/python --exclude-editable | grep -Ev '^(uv|pip|setuptools)=='; } > infra/python/constraints.tmp
 	mv infra/python/constraints.tmp infra/python/constraints.txt
 
@@ -108,7 +114,7 @@ test-deps:              ## headless Chromium (dashboard test), mosquitto_sub and
 bench: install $(CDS) $(KAFKA_CDS) test-deps ## all benchmarks but the long chaos and soak runs (each prints a last JSON line)
 	for b in bench/*.py; do case $$b in */_*|*/nab_scoring.py|*/chaos_harness.py|*/procs.py|*/fleets.py|*/spark_cpu.py|*/chaos.py|*/soak.py) continue;; esac; echo "== $$b"; $(BIN)/python $$b; done
 
-airflow: install        ## local Airflow (SQLite, our DAGs) under <data_root>/airflow
+airflow: install $(AIRFLOW_STAMP) ## local Airflow (SQLite, our DAGs) under <data_root>/airflow
 	bash infra/airflow.sh
 
 dashboard: install      ## ops dashboard on http://127.0.0.1:8050
