@@ -39,11 +39,11 @@ import pyarrow.compute as pc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fleets import SENSOR  # noqa: E402
+from ingest.faults import KINDS, faulted_devices, read_truth  # noqa: E402
 from procs import stop_now  # noqa: E402  (bench/ is on sys.path)
 
-from ingest.faults import KINDS, faulted_devices, read_truth  # noqa: E402
 from ingest.simulator import device_id  # noqa: E402
-from lakehouse.delta_read import arrow_dataset, open_table, table_exists  # noqa: E402
+from lakehouse.delta.read import arrow_dataset, open_table, table_exists  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from orchestration.services import free_port  # noqa: E402
 

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from lakehouse import mqtt_tls
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka.topics import ensure_topics
+from lakehouse.mqtt import tls as mqtt_tls
 from lakehouse.settings import Settings, load_settings
 from orchestration.services import embedded_services, free_port
 

@@ -201,7 +201,7 @@ def _log_tail(path: Path, chars: int = 2500) -> str:
 
 def _data_files(table: str) -> int:
     """Files in the table's current version (0 before it exists)."""
-    from lakehouse.delta_read import open_table, table_exists
+    from lakehouse.delta.read import open_table, table_exists
 
     return len(open_table(table).file_uris()) if table_exists(table) else 0
 
@@ -313,7 +313,7 @@ def checkpoint_position(ckpt: str | Path) -> tuple[int, dict, bool] | None:
 def _rows(path: str) -> int:
     from deltalake import DeltaTable
 
-    from lakehouse.delta_read import table_exists
+    from lakehouse.delta.read import table_exists
 
     return DeltaTable(path).to_pyarrow_dataset().count_rows() if table_exists(path) else 0
 
@@ -322,7 +322,7 @@ def kafka_end_offsets(settings: Settings, timeout: float = 10.0) -> dict[int, in
     """End offset (high watermark) per partition of the telemetry topic."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from lakehouse.kafka_config import client_config
+    from lakehouse.kafka.config import client_config
 
     topic = settings.kafka.topic
     c = Consumer(client_config(settings, **{"group.id": "iotlake-chaos-probe",
@@ -347,7 +347,7 @@ def _read_through(end: dict, version: int) -> bool:
 def caught_up(settings: Settings, published: int) -> dict[str, bool]:
     """Per layer: has it read everything upstream has (bronze: >= published, and every record
     the durable Kafka holds)?"""
-    from lakehouse.delta_read import latest_version
+    from lakehouse.delta.read import latest_version
 
     bronze_rows = _rows(settings.table_path("bronze"))
     state = {"bronze": bronze_rows >= published}
@@ -375,7 +375,7 @@ def caught_up(settings: Settings, published: int) -> dict[str, bool]:
 def _table(settings: Settings, name: str, columns: list[str] | None = None):
     from deltalake import DeltaTable
 
-    from lakehouse.delta_read import table_exists
+    from lakehouse.delta.read import table_exists
 
     path = settings.table_path(name)
     if not table_exists(path):
@@ -638,7 +638,7 @@ class Chaos:
 
     # -- brokers --
     def start_broker(self, name: str) -> None:
-        from lakehouse.kafka_topics import ensure_topics
+        from lakehouse.kafka.topics import ensure_topics
         from orchestration.services import kafka_service, mosquitto_service
 
         s = self.settings

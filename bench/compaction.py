@@ -30,7 +30,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from fleets import SENSOR
 
-from lakehouse.delta_tables import ensure_table
+from lakehouse.delta.tables import ensure_table
 from lakehouse.settings import load_settings
 from lakehouse.tables import silver_schema
 from orchestration.maintenance import compact, session

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lakehouse import native_memory  # noqa: E402
+from lakehouse.runtime import native_memory  # noqa: E402
 from silver.dedup import DedupIndex, fingerprints  # noqa: E402
 
 

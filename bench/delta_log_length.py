@@ -26,7 +26,7 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from lakehouse.delta_tables import append
+from lakehouse.delta.tables import append
 from lakehouse.settings import load_settings
 from lakehouse.spark import spark_session
 

@@ -51,7 +51,7 @@ import gold.health
 import gold.state_store
 import gold.windows
 from gold.device_state import state_files
-from lakehouse.delta_tables import spark_schema
+from lakehouse.delta.tables import spark_schema
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from lakehouse.tables import silver_schema

@@ -36,8 +36,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 import bronze.stream
-from lakehouse.kafka_config import client_config
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka.config import client_config
+from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from orchestration.services import free_port, kafka_service

@@ -33,8 +33,8 @@ from confluent_kafka import Producer
 from deltalake import DeltaTable
 from fleets import SENSOR
 
-from lakehouse.kafka_config import client_config
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka.config import client_config
+from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import Settings, load_settings
 from orchestration.cluster import StandaloneCluster, cluster_conf
 from orchestration.services import free_port, kafka_service

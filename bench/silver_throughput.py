@@ -41,8 +41,8 @@ from pyspark.sql.types import DoubleType, LongType, StringType, StructField, Str
 
 import silver.stream
 from ingest.simulator import ModelPayloads, device_topic, drop_field, encode, set_field
-from lakehouse import delta_tables
-from lakehouse.delta_read import read_table
+from lakehouse.delta import tables as delta_tables
+from lakehouse.delta.read import read_table
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import spark_session
 from lakehouse.tables import BRONZE
@@ -87,7 +87,7 @@ class SparkplugBronze:
     by alias; invalid ones use an alias no birth declared or a value out of range."""
 
     def __init__(self, devices: int = 1000, per_node: int = 10) -> None:
-        from lakehouse.sparkplug import payload_class
+        from lakehouse.mqtt.sparkplug import payload_class
 
         self.cls, self.per_node, self.devices = payload_class(), per_node, devices
         self.nodes = -(-devices // per_node)

@@ -4,7 +4,7 @@ Nothing is parsed away: raw key and value bytes, topic / partition / offset / Ka
 headers, and the time bronze ingested it. Malformed payloads are kept byte for byte.
 
 Spark's Kafka source keeps the offsets in the checkpoint, and each micro-batch is appended with
-the query id and batch id as its Delta transaction (``lakehouse.delta_tables.append``, as
+the query id and batch id as its Delta transaction (``lakehouse.delta.tables.append``, as
 Delta's own streaming sink does, without the sink's log replay per batch), so a batch replayed
 after a crash is written once.
 """
@@ -18,10 +18,10 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse import delta_tables
-from lakehouse.delta_read import partition_minutes
-from lakehouse.kafka_config import client_config
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.delta import tables as delta_tables
+from lakehouse.delta.read import partition_minutes
+from lakehouse.kafka.config import client_config
+from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import Settings
 from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import BRONZE, PARTITION_COLUMN, bucket_sql
@@ -106,7 +106,7 @@ def _ssl_options(c: dict[str, str]) -> dict[str, str]:
 
 def java_client_options(client_config: dict[str, str]) -> dict[str, str]:
     """Spark ``kafka.*`` options from the librdkafka-style client configuration the bridge
-    uses (``lakehouse.kafka_config.client_config``): the keys both clients share, the TLS trust
+    uses (``lakehouse.kafka.config.client_config``): the keys both clients share, the TLS trust
     store, certificate and key as PEM stores (``_ssl_options``), and a JAAS line for PLAIN /
     SCRAM built from ``sasl.username`` / ``sasl.password``."""
     c = {k: str(v) for k, v in client_config.items()}

@@ -32,9 +32,9 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
-from lakehouse.delta_read import arrow_dataset, table_exists
+from lakehouse.delta.read import arrow_dataset, table_exists
+from lakehouse.monitoring.status_file import DEFAULT_MAX_AGE, read_status
 from lakehouse.settings import Settings
-from lakehouse.status_file import DEFAULT_MAX_AGE, read_status
 from lakehouse.tables import SITE
 
 log = logging.getLogger(__name__)

@@ -66,11 +66,12 @@ from gold.scoring import (
     time_out_received,
 )
 from gold.ticks import LiveStarts, TickTimer, batch_time_ms
-from lakehouse import delta_txn, observers
-from lakehouse.concurrent_writes import run_at_once
-from lakehouse.delta_read import open_table
-from lakehouse.delta_tables import append_table, retry_conflicts, upsert
-from lakehouse.metrics import note_batch
+from lakehouse.delta import txn as delta_txn
+from lakehouse.delta.concurrent_writes import run_at_once
+from lakehouse.delta.read import open_table
+from lakehouse.delta.tables import append_table, retry_conflicts, upsert
+from lakehouse.monitoring import observers
+from lakehouse.monitoring.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
 from lakehouse.streams import batch_watermark_ms

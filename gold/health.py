@@ -43,7 +43,7 @@ from gold.scoring import health_input
 from gold.state_store import HealthBatch, health_frame
 from gold.ticks import sources_planned, tick_stream
 from gold.windows import silver_stream
-from lakehouse.delta_tables import add_missing_columns, ensure_named_table
+from lakehouse.delta.tables import add_missing_columns, ensure_named_table
 from lakehouse.settings import Settings
 from lakehouse.streams import foreach_batch, pin_mode, pool, query_id, trigger_kwargs
 from lakehouse.tables import (

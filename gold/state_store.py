@@ -47,9 +47,9 @@ from gold.scoring import (
     score_readings,
     time_out,
 )
-from lakehouse.concurrent_writes import run_at_once
-from lakehouse.delta_read import read_table
-from lakehouse.delta_tables import append, upsert
+from lakehouse.delta.concurrent_writes import run_at_once
+from lakehouse.delta.read import read_table
+from lakehouse.delta.tables import append, upsert
 from lakehouse.settings import GoldSettings, Settings
 from lakehouse.spark import arrow_frame
 from lakehouse.tables import DEVICE_STATUS_HISTORY, SITE, device_current_schema
@@ -154,7 +154,7 @@ class HealthBatch:
 
     The output is persisted first: it comes out of the stateful operator, which must run once
     per batch (its state store commits), while four writes read it, at once
-    (``lakehouse.concurrent_writes``).
+    (``lakehouse.delta.concurrent_writes``).
     """
 
     def __init__(self, settings: Settings, app_id: str, current_columns: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ file, so the same range, and its append is skipped by the Delta app transaction 
 batch id). Final rows lag the merged ones by the watermark; no-data batches, which Spark runs
 when the watermark advances (also at the end of an ``available_now`` run), append them too.
 
-Every write is delta-spark's (``lakehouse.delta_tables``), exactly once per (query id, batch id);
+Every write is delta-spark's (``lakehouse.delta.tables``), exactly once per (query id, batch id);
 the batch's rows stay in Spark. Reads of the merged tables go through Spark with literal time
 bounds, so Delta skips the files whose statistics lie outside them.
 """
@@ -37,8 +37,8 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_read import table_exists
-from lakehouse.delta_tables import append, ensure_named_table, timestamp_literal, upsert_recent
+from lakehouse.delta.read import table_exists
+from lakehouse.delta.tables import append, ensure_named_table, timestamp_literal, upsert_recent
 from lakehouse.settings import Settings
 from lakehouse.streams import batch_watermark_ms, foreach_batch, pool, query_id, trigger_kwargs
 from lakehouse.tables import METRIC_WINDOWS

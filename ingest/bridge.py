@@ -38,10 +38,10 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from ingest.bridge_metrics import BridgeCollector, LatencyHistogram, serve
 from ingest.mqtt_client import BufferedClient
 from ingest.simulator import mqtt_client
-from lakehouse.kafka_config import client_config
+from lakehouse.kafka.config import client_config
+from lakehouse.mqtt.sparkplug import NAMESPACE, parse_topic, rebirth_request
+from lakehouse.mqtt.sparkplug import Topic as SparkplugTopic
 from lakehouse.settings import Settings, SettingsError, load_settings
-from lakehouse.sparkplug import NAMESPACE, parse_topic, rebirth_request
-from lakehouse.sparkplug import Topic as SparkplugTopic
 
 log = logging.getLogger(__name__)
 

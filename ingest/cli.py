@@ -107,7 +107,7 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _ensure_topics(settings: Settings) -> None:
-    from lakehouse.kafka_topics import KafkaUnavailable, ensure_topics
+    from lakehouse.kafka.topics import KafkaUnavailable, ensure_topics
 
     try:
         ensure_topics(settings, timeout=10)

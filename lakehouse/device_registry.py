@@ -11,12 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lakehouse import delta_read, storage
+from lakehouse import storage
+from lakehouse.delta import read as delta_read
 from lakehouse.settings import Settings
 from lakehouse.tables import DEVICES
 
 TABLE = "devices"
-#: lakehouse.delta_tables.TABLE_PROPERTIES (that module needs pyspark): readers without a JVM
+#: lakehouse.delta.tables.TABLE_PROPERTIES (that module needs pyspark): readers without a JVM
 #: read the table
 _PROPERTIES = {"delta.enableDeletionVectors": "false", "delta.checkpointPolicy": "classic"}
 

@@ -82,7 +82,7 @@ class KafkaSettings(_Section):
     client_config: dict[str, str] = Field(default_factory=dict, repr=False)
     # Who may use the embedded broker: "plaintext" (anyone on this machine) or "sasl_scram"
     # (SCRAM-SHA-512 with the data root's generated credential, which every iotlake client
-    # uses; lakehouse.kafka_auth). Set it before the broker's first start. After client_config:
+    # uses; lakehouse.kafka.auth). Set it before the broker's first start. After client_config:
     # its check reads that, and an error on this key shows only this key's value.
     embedded_security: Literal["plaintext", "sasl_scram"] = "plaintext"
 
@@ -129,19 +129,19 @@ class MqttSettings(_Section):
     embedded_device_port: int = Field(0, ge=0, le=65535)
     # The embedded broker lets clients in without a user name (warned at start): only with this
     # true. Off, each device has its own credential (`iotlake devices add`) and may publish only
-    # as itself (lakehouse.mqtt_auth).
+    # as itself (lakehouse.mqtt.auth).
     allow_anonymous: bool = False
     topic_filter: str = "devices/+/telemetry"
     qos: int = Field(1, ge=0, le=2)
     client_id: str = "iotlake-bridge"
     # What iotlake's own clients (bridge, simulator, alerts) log in with. Unset, on the embedded
     # broker each logs in with a credential iotlake generated for its role (least privilege:
-    # lakehouse.mqtt_auth); set, the embedded broker lets this user read and write everything.
+    # lakehouse.mqtt.auth); set, the embedded broker lets this user read and write everything.
     username: str = ""
     password: str = Field("", repr=False)
     # The CA iotlake's clients trust and, for the broker's own certificate files below, the CA
     # that signed the devices' client certificates. Unset with the embedded broker's TLS on:
-    # iotlake's own CA (lakehouse.mqtt_tls).
+    # iotlake's own CA (lakehouse.mqtt.tls).
     tls_ca: str = ""
     # A client certificate and key for iotlake's own clients (a broker that asks for one).
     tls_cert: str = ""
@@ -233,12 +233,12 @@ class SparkSettings(_Section):
     # with it as without.
     fixed_heap: bool = False
     ui_enabled: bool = False
-    # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/jvm)
+    # local mode: Hadoop's local file system without its chmod/readlink forks (lakehouse/runtime/jvm)
     local_fs_shim: bool = True
     # Spark's FAIR scheduler with a pool per layer: bronze and silver tasks take the next free
-    # task slot before gold's (lakehouse/fairscheduler.xml); false: one FIFO queue.
+    # task slot before gold's (lakehouse/runtime/fairscheduler.xml); false: one FIFO queue.
     fair_pools: bool = True
-    # start the driver JVM from the class archive `make` builds (.jars/cds, lakehouse.jars):
+    # start the driver JVM from the class archive `make` builds (.jars/cds, lakehouse.runtime.jars):
     # Spark's classes mapped instead of parsed and verified in every new process
     class_data_sharing: bool = True
     # Spark compiles the expressions of every task (projections, orderings: Java source built,

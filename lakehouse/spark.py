@@ -1,5 +1,5 @@
 """The Spark session, configured from settings: Delta Lake and Spark's Kafka connector on the
-classpath from the Maven-resolved jars (``lakehouse.jars``), nothing downloaded at run time."""
+classpath from the Maven-resolved jars (``lakehouse.runtime.jars``), nothing downloaded at run time."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import pyarrow as pa
 from pyspark import SparkContext
 from pyspark.sql import DataFrame, SparkSession
 
-from lakehouse import jars, storage
-from lakehouse.deploy import is_local, ship_packages
-from lakehouse.jvm_names import remember_jvm_names
+from lakehouse import storage
+from lakehouse.runtime import jars
+from lakehouse.runtime.deploy import is_local, ship_packages
+from lakehouse.runtime.jvm_names import remember_jvm_names
 from lakehouse.settings import Settings
 
 #: Spark's FAIR scheduler pools, one per layer (``spark.fair_pools``; ``lakehouse.streams.pool``).
-FAIR_POOLS = Path(__file__).with_name("fairscheduler.xml")
+FAIR_POOLS = Path(__file__).parent / "runtime" / "fairscheduler.xml"
 
 
 def codegen_factory_mode(settings: Settings, batch: bool) -> str:
@@ -37,14 +38,14 @@ def spark_session(settings: Settings, app_name: str = "iotlake", batch: bool = F
     session keeps the mode it was created with.
 
     With a cluster master (``spark://``, ``k8s://``, ``yarn``) iotlake's packages are shipped to
-    the executors (``lakehouse.deploy``); executors need the same Python and dependencies.
+    the executors (``lakehouse.runtime.deploy``); executors need the same Python and dependencies.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if settings.spark.malloc_arenas:  # read by glibc when the driver JVM starts (a child of ours)
         os.environ.setdefault("MALLOC_ARENA_MAX", str(settings.spark.malloc_arenas))
     # Object storage: fail fast on bad credentials; export AWS_* for the driver's own delta-rs
-    # reads (lakehouse.delta_read). Spark itself reaches S3 through S3A (storage.spark_conf).
+    # reads (lakehouse.delta.read). Spark itself reaches S3 through S3A (storage.spark_conf).
     storage.check(settings)
     storage.configure(settings)
     remember_jvm_names()
@@ -198,12 +199,12 @@ def _minutes(hours: float) -> str:
 
 
 def _with_local_fs_shim(conf: dict[str, str]) -> dict[str, str]:
-    """Add the fork-free local file system (``lakehouse.jvm``) unless settings chose another."""
+    """Add the fork-free local file system (``lakehouse.runtime.jvm``) unless settings chose another."""
     from pathlib import Path
 
     import pyspark
 
-    from lakehouse.jvm import HADOOP_CONF, shim_jar
+    from lakehouse.runtime.jvm import HADOOP_CONF, shim_jar
 
     if any(k in conf for k in HADOOP_CONF):
         return conf

@@ -8,7 +8,7 @@ the ``storage`` settings section; its credentials are ``fs.s3a.*`` keys that Spa
 or one role process per table); Delta's Spark writer has no S3 conditional-write log store.
 
 The readers without a JVM (delta-rs: dashboard, ``iotlake query``, the drivers' cheap look-ups
-in ``lakehouse.delta_read``) use :func:`delta_options`; :func:`configure` also exports them as
+in ``lakehouse.delta.read``) use :func:`delta_options`; :func:`configure` also exports them as
 the standard ``AWS_*`` environment, so every ``DeltaTable(uri)`` in the process reaches the same
 store. Error messages go through :func:`scrub`.
 """

@@ -78,7 +78,7 @@ def query_id(checkpoint: str) -> str:
 @contextmanager
 def pool(spark: SparkSession, name: str) -> Iterator[None]:
     """Start queries inside this block in the FAIR scheduler pool ``name`` (bronze, silver or
-    gold: ``lakehouse/fairscheduler.xml``). A query's thread, and the jobs its foreachBatch
+    gold: ``lakehouse/runtime/fairscheduler.xml``). A query's thread, and the jobs its foreachBatch
     runs, inherit the pool from the thread that started it; the caller's pool is restored."""
     sc = spark.sparkContext
     before = sc.getLocalProperty("spark.scheduler.pool")

@@ -1,7 +1,7 @@
 """The alert engine inside ``iotlake run``: its threads, its inputs and its receivers.
 
 The process that runs silver and gold (roles ``all`` and ``streams``) evaluates the rules: it
-sees silver's and gold's batches as they are made (``lakehouse.observers``), reads
+sees silver's and gold's batches as they are made (``lakehouse.monitoring.observers``), reads
 ``device_current`` and the run's status snapshot, and delivers through the outbox. A backfill
 or reprocess is another process without an engine, so it never fires an alert.
 """
@@ -18,7 +18,7 @@ from gold.alerts.channels import channels_for
 from gold.alerts.engine import AlertEngine
 from gold.alerts.outbox import Outbox
 from gold.alerts.tables import AlertTables
-from lakehouse import observers
+from lakehouse.monitoring import observers
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)

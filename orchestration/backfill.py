@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from lakehouse import storage
-from lakehouse.delta_read import commit_adds, latest_version, row_count
+from lakehouse.delta.read import commit_adds, latest_version, row_count
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def kafka_offsets(settings: Settings) -> dict[int, tuple[int, int]]:
     """partition -> (low, high) watermark of the topic (high: the next offset to be written)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from lakehouse.kafka_config import client_config
+    from lakehouse.kafka.config import client_config
 
     c = Consumer(client_config(settings, **{"group.id": "iotlake-backfill-probe",
                                             "enable.auto.commit": False}))
@@ -166,7 +166,7 @@ def caught_up(settings: Settings, layer: str, bronze_version: int | None = None)
 def backfill(settings: Settings, layers: list[str], max_rows: int | None = None,
              progress_every: float = 2.0) -> dict[str, int]:
     """Catch the given layers up, upstream first; returns rows processed per layer."""
-    from lakehouse.metrics import BatchTotals
+    from lakehouse.monitoring.metrics import BatchTotals
     from lakehouse.spark import spark_session
     from lakehouse.streams import lock_checkpoint, release_checkpoints
     from orchestration.pipeline import LAYERS, start_layers

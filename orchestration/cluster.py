@@ -1,7 +1,7 @@
 """Throwaway Spark standalone clusters (scale-out tests and benchmarks) and ``iotlake package``.
 
 :class:`StandaloneCluster` starts one master and N workers from pyspark's own jars (no Spark
-download). Code reaches their executors as on any cluster (:mod:`lakehouse.deploy`).
+download). Code reaches their executors as on any cluster (:mod:`lakehouse.runtime.deploy`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lakehouse.deploy import package_zip
+from lakehouse.runtime.deploy import package_zip
 from orchestration.services import free_port
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 A device's credential is its id as the user name and a password shown once (stored only as
 Mosquitto's hash), or with ``--cert`` a client certificate of iotlake's CA whose common name is
-its id (``lakehouse.mqtt_tls``; for ``mqtt.embedded_cert_port``); it may publish only as itself
-(``lakehouse.mqtt_auth``). Each command
+its id (``lakehouse.mqtt.tls``; for ``mqtt.embedded_cert_port``); it may publish only as itself
+(``lakehouse.mqtt.auth``). Each command
 rewrites the broker's files once and reloads the running embedded broker (SIGHUP; a reload
 disconnects a client whose credential was revoked or rotated), and records the device in the
 registry table ``devices``. Output for scripts: one JSON line per device.
@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from lakehouse import device_registry, mqtt_auth, mqtt_tls
+from lakehouse import device_registry
+from lakehouse.mqtt import auth as mqtt_auth
+from lakehouse.mqtt import tls as mqtt_tls
 from lakehouse.settings import Settings
 from lakehouse.tables import DEVICES
 

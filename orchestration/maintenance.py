@@ -11,7 +11,7 @@ nothing to do, so a retried task is harmless; commit conflicts with the live str
 Z-order, not liquid clustering: clustering raises every table to writer protocol 7 (the
 ``clustering`` and ``domainMetadata`` features; delta-rs still reads it) and did not beat
 Z-order or plain bin-packing for the delta-rs + DuckDB readers in ``bench/compaction.py``. Cheap look-ups (does the table exist, its files, the version at a time)
-go through delta-rs (``lakehouse.delta_read``), without a JVM.
+go through delta-rs (``lakehouse.delta.read``), without a JVM.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lakehouse.delta_read import open_table, partition_minutes, table_exists
-from lakehouse.delta_tables import retry_conflicts
+from lakehouse.delta.read import open_table, partition_minutes, table_exists
+from lakehouse.delta.tables import retry_conflicts
 from lakehouse.settings import MIN_RETENTION_HOURS, Settings
 from lakehouse.spark import session_confs
 from lakehouse.tables import (

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.delta_read import latest_version
+from lakehouse.delta.read import latest_version
 from lakehouse.settings import Settings
 from lakehouse.streams import between_batches, release_checkpoints
 

@@ -1,6 +1,6 @@
 """Progress of batch commands' streaming queries (``iotlake backfill``, ``iotlake reprocess``).
 
-Rows and micro-batches are counted by a :class:`lakehouse.metrics.BatchTotals` listener, not
+Rows and micro-batches are counted by a :class:`lakehouse.monitoring.metrics.BatchTotals` listener, not
 from ``recentProgress`` (its last 100 batches only). On a terminal (stderr) a bar shows rows done
 of rows to do, the rate and the time left; otherwise (a log, an Airflow task) one line per
 interval says the same.
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse.metrics import BatchTotals
+from lakehouse.monitoring.metrics import BatchTotals
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import duckdb
 import pyarrow as pa
 from deltalake import DeltaTable
 
-from lakehouse import delta_read
-from lakehouse.delta_read import arrow_dataset
+from lakehouse.delta import read as delta_read
+from lakehouse.delta.read import arrow_dataset
 from lakehouse.settings import Settings
 from lakehouse.tables import TABLES
 

@@ -22,7 +22,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from lakehouse.delta_read import open_table, row_count, table_exists
+from lakehouse.delta.read import open_table, row_count, table_exists
 from lakehouse.settings import DERIVED_QUERIES, Settings
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _build(target: Settings, bronze_version: int) -> dict[str, int]:
     import gold.windows
     import silver.stream
     from lakehouse import storage
-    from lakehouse.metrics import BatchTotals
+    from lakehouse.monitoring.metrics import BatchTotals
     from lakehouse.spark import spark_session
     from orchestration.backfill import caught_up, rows_to_do
     from orchestration.progress import follow

@@ -18,14 +18,14 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
-from lakehouse import native_memory
-from lakehouse.delta_read import row_count
+from lakehouse.delta.read import row_count
+from lakehouse.runtime import native_memory
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
 
 ROLES = ("all", "bridge", "streams", "bronze", "silver", "gold")
-#: how often a running process hands freed native memory back (``lakehouse.native_memory``)
+#: how often a running process hands freed native memory back (``lakehouse.runtime.native_memory``)
 RELEASE_MEMORY_SECONDS = 60.0
 
 
@@ -136,13 +136,13 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
         settings.telemetry.require_metrics()  # before any broker starts
     stop = stop or threading.Event()
     hurry = threading.Event()
-    native_memory.fix_mmap_threshold()  # this process lives for weeks: see lakehouse.native_memory
+    native_memory.fix_mmap_threshold()  # this process lives for weeks: see lakehouse.runtime.native_memory
     with contextlib.ExitStack() as stack:
         stack.enter_context(_stop_on_signals(stop, hurry))
         if role == "all":
             stack.enter_context(embedded_services(settings))
         if settings.observability.metrics_port:
-            from lakehouse.metrics import serve
+            from lakehouse.monitoring.metrics import serve
 
             serve(settings.observability.metrics_port, settings.observability.metrics_bind)
         bridge = None
@@ -158,7 +158,7 @@ def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: i
             # raises KeyboardInterrupt (Ctrl-C then killed running batches: thousands of lines of
             # stack traces). Ours again, so Ctrl-C stops the queries between batches.
             stack.enter_context(_stop_on_signals(stop, hurry))
-            from lakehouse.metrics import install
+            from lakehouse.monitoring.metrics import install
 
             install(spark, settings)
             stack.callback(release_spark, spark)  # after the queries stopped (callbacks run LIFO)
@@ -220,7 +220,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
     t0 = time.monotonic()
     with embedded_services(settings), bridge_thread(settings):
         spark = spark_session(settings, app_name="iotlake-demo")
-        from lakehouse.metrics import install
+        from lakehouse.monitoring.metrics import install
 
         install(spark, settings)
         running = Running(spark, settings, start_layers(spark, settings))
@@ -253,7 +253,7 @@ def demo(settings: Settings, events: int, devices: int = 10, duplicates: int | N
 
 
 def _quality_totals(settings: Settings) -> dict[str, int]:
-    from lakehouse.delta_read import read_table, table_exists
+    from lakehouse.delta.read import read_table, table_exists
 
     path = settings.table_path("quality_log")
     if not table_exists(path):

@@ -22,9 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lakehouse import jars, kafka_auth, mqtt_auth, native_memory
-from lakehouse.jars import kafka_classpath
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka import auth as kafka_auth
+from lakehouse.kafka.topics import ensure_topics
+from lakehouse.mqtt import auth as mqtt_auth
+from lakehouse.runtime import jars, native_memory
+from lakehouse.runtime.jars import kafka_classpath
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -193,7 +195,7 @@ class Service:
 
 
 def mosquitto_service(settings: Settings, port: int | None = None, extra_conf: str = "") -> Service:
-    """Mosquitto with its users and ACLs (``lakehouse.mqtt_auth``, rewritten from the device
+    """Mosquitto with its users and ACLs (``lakehouse.mqtt.auth``, rewritten from the device
     store and the telemetry model at every start), unless ``extra_conf`` brings a password file
     of its own."""
     port = port or settings.mqtt.embedded_port

@@ -3,7 +3,7 @@
 ``StatusWriter.tick`` (from ``run``'s loop) judges what the process runs: each Spark query
 (active, its last progress and batch, input rate, lag), the MQTT -> Kafka bridge, the brokers
 (a TCP connect), the free disk under the data root, and lists what is wrong in ``problems``.
-The snapshot goes to ``<run_dir>/status.json`` (``lakehouse.status_file``: ``iotlake status``
+The snapshot goes to ``<run_dir>/status.json`` (``lakehouse.monitoring.status_file``: ``iotlake status``
 and the dashboard's ``/healthz`` read it there) and stays in ``latest`` for the alert engine.
 
 A query is stale when it is not active, had no progress event for ``stale_seconds`` (the
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from lakehouse.metrics import lag_of
+from lakehouse.monitoring.metrics import lag_of
+from lakehouse.monitoring.status_file import iso_time, status_path, write_status
 from lakehouse.settings import Settings
-from lakehouse.status_file import iso_time, status_path, write_status
 from orchestration.upkeep import error_line, free_disk_bytes
 
 log = logging.getLogger(__name__)

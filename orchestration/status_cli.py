@@ -7,8 +7,8 @@ import argparse
 import json
 from typing import Any
 
+from lakehouse.monitoring.status_file import DEFAULT_MAX_AGE, read_status
 from lakehouse.settings import Settings
-from lakehouse.status_file import DEFAULT_MAX_AGE, read_status
 from orchestration.run import ROLES
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from lakehouse.delta_read import table_exists
+from lakehouse.delta.read import table_exists
 from lakehouse.settings import Settings
 from orchestration.maintenance import (
     clean_log,

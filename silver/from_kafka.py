@@ -6,7 +6,7 @@ The layered topology runs two queries: bronze from Kafka, then silver from bronz
 Delta's streaming source, which pays per batch for a snapshot of bronze, a read of the files
 bronze just wrote, its own checkpoint and its own planning; and a reading waits for both
 queries' batches. Here the batch is read from Kafka once (persisted for both writes), and
-bronze's append runs beside silver's writer (``lakehouse.concurrent_writes``).
+bronze's append runs beside silver's writer (``lakehouse.delta.concurrent_writes``).
 
 Exactly once as in the layered queries: every table's append carries this query's id and the
 batch id as its Delta transaction, so a replayed batch skips what it already committed; the
@@ -26,9 +26,9 @@ from pyspark.sql.streaming import StreamingQuery
 from bronze.stream import TABLE as BRONZE_TABLE
 from bronze.stream import ensure_table as ensure_bronze
 from bronze.stream import kafka_stream
-from lakehouse import delta_tables
-from lakehouse.concurrent_writes import run_at_once
-from lakehouse.delta_read import partition_minutes
+from lakehouse.delta import tables as delta_tables
+from lakehouse.delta.concurrent_writes import run_at_once
+from lakehouse.delta.read import partition_minutes
 from lakehouse.settings import Settings
 from lakehouse.streams import foreach_batch, pool, query_id, trigger_kwargs
 from silver.expectations import suite_for

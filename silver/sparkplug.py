@@ -29,7 +29,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import StructType
 
-from lakehouse.sparkplug import (
+from lakehouse.mqtt.sparkplug import (
     BIRTHS,
     NAMESPACE,
     NUMERIC_TYPES,

@@ -7,7 +7,7 @@ bronze (Delta's streaming source) -> parse -> validate (suite compiled to one Sp
 driver's index; or with ``stream.dedup = "state_store"`` Spark's dropDuplicatesWithinWatermark
 in the plan), valid rows to ``silver``, failing rows to ``quarantine`` with every reason, and
 per-batch counts to ``quality_log``, each written with Delta's idempotent append (query id,
-batch id), the three at once (``lakehouse.concurrent_writes``). Every bronze row is accounted for:
+batch id), the three at once (``lakehouse.delta.concurrent_writes``). Every bronze row is accounted for:
 
     bronze rows in batch = silver + quarantine + duplicates dropped + late
 
@@ -33,12 +33,13 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from lakehouse import delta_tables, observers
-from lakehouse.concurrent_writes import run_at_once
-from lakehouse.delta_read import open_table
-from lakehouse.delta_tables import spark_schema
+from lakehouse.delta import tables as delta_tables
+from lakehouse.delta.concurrent_writes import run_at_once
+from lakehouse.delta.read import open_table
+from lakehouse.delta.tables import spark_schema
 from lakehouse.device_registry import Registered
-from lakehouse.metrics import note_batch
+from lakehouse.monitoring import observers
+from lakehouse.monitoring.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.streams import (
     at_or_before,

@@ -25,7 +25,7 @@ from great_expectations.data_context.types.base import (
     ProgressBarsConfig,
 )
 
-from lakehouse.delta_read import table_exists
+from lakehouse.delta.read import table_exists
 from lakehouse.settings import Settings
 from silver.expectations import suite_for
 

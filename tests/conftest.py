@@ -50,7 +50,7 @@ TEST_KAFKA_PORT = int(os.environ.get("IOTLAKE_TEST_KAFKA_PORT", "29092")) + 100 
 TEST_MQTT_PORT = int(os.environ.get("IOTLAKE_TEST_MQTT_PORT", "21883")) + 100 * _WORKER
 #: The tests' own MQTT clients log in as this user, which may read and write everything (the
 #: session broker, and every broker a test starts with the ``settings`` fixture's, gives it that:
-#: lakehouse.mqtt_auth); devices' credentials are tests/test_device_auth.py's.
+#: lakehouse.mqtt.auth); devices' credentials are tests/test_device_auth.py's.
 TEST_MQTT_LOGIN = {"username": "iotlake-tests", "password": secrets.token_urlsafe(16)}
 
 
@@ -104,7 +104,7 @@ def settings(brokers, services_settings: Settings, tmp_path: Path) -> Settings:
         observability={"metrics_port": 0},
         spark={"master": "local[2]", "shuffle_partitions": 2},
     )
-    from lakehouse.kafka_topics import ensure_topics
+    from lakehouse.kafka.topics import ensure_topics
 
     ensure_topics(s)
     return s

@@ -31,7 +31,7 @@ from deltalake import DeltaTable
 from fleets import SENSOR
 
 from ingest.simulator import mqtt_client
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import load_settings
 
 OFFLINE = 12  # gold.offline_after_seconds (and the sites' silent_seconds)

@@ -16,7 +16,7 @@ from deltalake import DeltaTable
 from fleets import SENSOR
 
 from ingest.simulator import generate
-from lakehouse.kafka_config import client_config
+from lakehouse.kafka.config import client_config
 from lakehouse.settings import Settings, load_settings
 from lakehouse.streams import CheckpointBusy
 from orchestration.backfill import backfill, rows_to_do

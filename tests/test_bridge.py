@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from ingest.bridge import Bridge
 from ingest.simulator import generate, mqtt_client, publish
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import Settings
 from orchestration.services import free_port
 

@@ -11,8 +11,8 @@ from datetime import datetime
 from confluent_kafka import Producer
 
 import bronze.stream
-from lakehouse.delta_read import read_table
-from lakehouse.kafka_config import client_config
+from lakehouse.delta.read import read_table
+from lakehouse.kafka.config import client_config
 from lakehouse.settings import Settings
 
 #: Record timestamps near now: the broker's time retention would delete older ones at once.

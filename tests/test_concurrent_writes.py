@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
-from lakehouse.concurrent_writes import run_at_once
+from lakehouse.delta.concurrent_writes import run_at_once
 
 
 def test_writes_run_at_once_with_the_callers_pool_and_errors_wait_for_the_rest(spark, tmp_path: Path) -> None:

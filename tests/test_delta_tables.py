@@ -1,4 +1,4 @@
-"""Idempotent appends and upserts through delta-spark (``lakehouse.delta_tables``) on real tables."""
+"""Idempotent appends and upserts through delta-spark (``lakehouse.delta.tables``) on real tables."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from lakehouse import delta_tables, delta_txn
+from lakehouse.delta import tables as delta_tables
+from lakehouse.delta import txn as delta_txn
 
 _groups = itertools.count()
 

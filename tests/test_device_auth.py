@@ -18,7 +18,8 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from ingest.simulator import Message, publish
-from lakehouse import device_registry, mqtt_auth
+from lakehouse import device_registry
+from lakehouse.mqtt import auth as mqtt_auth
 from lakehouse.settings import Settings, SettingsError, load_settings
 from orchestration.cli import main as cli_main
 from orchestration.devices_cli import Device, provision

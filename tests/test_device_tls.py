@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ingest.simulator import Message, publish
-from lakehouse import mqtt_auth, mqtt_tls
+from lakehouse.mqtt import auth as mqtt_auth
+from lakehouse.mqtt import tls as mqtt_tls
 from lakehouse.settings import Settings, SettingsError, load_settings
 from orchestration.run import bridge_thread
 from orchestration.services import free_port, mosquitto_service

@@ -529,7 +529,7 @@ def test_device_state_comes_back_from_its_changelog_for_a_restart_or_a_replay(tm
 
 def test_device_current_is_rewritten_from_the_driver_until_another_commit(spark, gold_settings) -> None:
     from gold.device_state import CurrentTable
-    from lakehouse.delta_tables import ensure_named_table
+    from lakehouse.delta.tables import ensure_named_table
     from lakehouse.tables import device_current_schema
 
     schema = device_current_schema(gold_settings.telemetry)
@@ -745,7 +745,7 @@ def test_a_checkpoint_from_before_the_ticks_runs_without_them(spark, gold_settin
     import gold.scoring
     from gold.device_state import DriverHealthBatch, driver_frame
     from gold.windows import silver_stream
-    from lakehouse.delta_tables import ensure_named_table
+    from lakehouse.delta.tables import ensure_named_table
     from lakehouse.streams import foreach_batch, query_id
     from lakehouse.tables import device_current_schema
 

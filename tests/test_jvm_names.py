@@ -1,4 +1,4 @@
-"""``lakehouse.jvm_names``: py4j keeps what a JVM name resolved to, and the names still work."""
+"""``lakehouse.runtime.jvm_names``: py4j keeps what a JVM name resolved to, and the names still work."""
 
 from __future__ import annotations
 

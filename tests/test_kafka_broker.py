@@ -8,8 +8,8 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from lakehouse import native_memory
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka.topics import ensure_topics
+from lakehouse.runtime import native_memory
 from lakehouse.settings import Settings, load_settings
 from orchestration.services import free_port, java_binary, kafka_service
 
@@ -43,7 +43,7 @@ def test_records_and_offsets_survive_broker_restarts(tmp_path: Path) -> None:
                       kafka={"embedded_port": port, "partitions": 2})
     broker = kafka_service(s).start()
     try:
-        # the options of every long-running JVM (lakehouse.native_memory)
+        # the options of every long-running JVM (lakehouse.runtime.native_memory)
         cmdline = Path(f"/proc/{broker.proc.pid}/cmdline").read_text().split("\0")
         assert set(native_memory.jvm_options(java_binary())) <= set(cmdline)
         ensure_topics(s)
@@ -115,7 +115,7 @@ def test_a_broker_left_running_by_a_killed_run_is_stopped_at_the_next_start(tmp_
 def test_the_broker_maps_its_class_archive(brokers) -> None:
     """`make test` records the broker's class archive; the session's broker maps it (a broker
     without one, or with a stale one, starts as before)."""
-    from lakehouse import jars
+    from lakehouse.runtime import jars
 
     archive = jars.kafka_class_archive()
     kafka = next(s for s in brokers if s.name == "kafka")

@@ -17,9 +17,9 @@ from confluent_kafka.admin import AdminClient
 from bronze.stream import java_client_options, kafka_stream
 from ingest.bridge import Bridge
 from ingest.simulator import generate, publish
-from lakehouse import kafka_auth
-from lakehouse.kafka_config import client_config
-from lakehouse.kafka_topics import ensure_topics
+from lakehouse.kafka import auth as kafka_auth
+from lakehouse.kafka.config import client_config
+from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import Settings, SettingsError, load_settings
 from orchestration.services import (
     Service,

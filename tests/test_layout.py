@@ -151,3 +151,13 @@ def test_the_circle_check_names_a_circle(tmp_path: Path) -> None:
     paths = {n: tmp_path / "pkg" / f"{n.split('.')[-1]}.py" for n in ("pkg.a", "pkg.b", "pkg.c")}
     graph = {n: imported_modules(n, p, set(paths)) for n, p in paths.items()}
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+
+
+def test_the_runtime_sits_below_the_spark_session() -> None:
+    """``lakehouse.runtime`` (JVM and process tuning) is what ``lakehouse.spark`` applies: no
+    module of it imports the session's module, lazily or not."""
+    modules = product_modules()
+    runtime = {n: p for n, p in modules.items() if n.startswith("lakehouse.runtime")}
+    assert runtime
+    assert {n: sorted(m) for n, p in runtime.items()
+            if (m := imported_modules(n, p, set(modules)) & {"lakehouse.spark"})} == {}

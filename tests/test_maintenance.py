@@ -13,8 +13,8 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from fleets import SENSOR
 
-from lakehouse.delta_read import commit_adds, read_table
-from lakehouse.delta_tables import ensure_table
+from lakehouse.delta.read import commit_adds, read_table
+from lakehouse.delta.tables import ensure_table
 from lakehouse.settings import Settings, SettingsError, load_settings
 from lakehouse.tables import silver_schema
 from orchestration.maintenance import compact, restore, table_history, vacuum, version_at
@@ -280,7 +280,7 @@ def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path,
 
     from pyspark.sql import functions as F
 
-    from lakehouse.delta_tables import ensure_named_table
+    from lakehouse.delta.tables import ensure_named_table
     from lakehouse.tables import BRONZE, PARTITION_COLUMN
     from orchestration.maintenance import retain
 
@@ -299,7 +299,7 @@ def test_retention_drops_whole_partitions_while_a_stream_appends(tmp_path: Path,
     try:
         while len(DeltaTable(path).history()) < 6:  # the stream is committing
             live.awaitTermination(0.2)
-        with caplog.at_level(logging.INFO, logger="lakehouse.delta_tables"):
+        with caplog.at_level(logging.INFO, logger="lakehouse.delta.tables"):
             [done] = retain(s, ["bronze"], now=now)
             assert live.isActive
     finally:

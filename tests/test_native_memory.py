@@ -1,4 +1,4 @@
-"""A long-running process hands freed native memory back (``lakehouse.native_memory``)."""
+"""A long-running process hands freed native memory back (``lakehouse.runtime.native_memory``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lakehouse import native_memory
+from lakehouse.runtime import native_memory
 
 pytestmark = pytest.mark.skipif(native_memory._glibc() is None, reason="glibc only")
 
@@ -44,7 +44,7 @@ def test_freed_blocks_inside_the_heap_are_released() -> None:
 
 def test_jvm_options_trim_the_native_heap_only_where_the_jvm_accepts_it() -> None:
     """JDK 17 builds before the flag refuse to start with it: probed, left out there."""
-    from lakehouse.jars import java_binary
+    from lakehouse.runtime.jars import java_binary
 
     assert native_memory.jvm_options("/bin/false") == (native_memory.NIO_BUFFER_CACHE,)
     assert native_memory.jvm_options(None) == (native_memory.NIO_BUFFER_CACHE,)

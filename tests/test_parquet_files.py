@@ -12,7 +12,8 @@ import pytest
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from lakehouse import delta_tables, parquet_files
+from lakehouse.delta import parquet_files
+from lakehouse.delta import tables as delta_tables
 
 DAY = "from_unixtime(unix_timestamp(`ts`) DIV 86400 * 86400, 'yyyy-MM-dd')"
 HOUR = "from_unixtime(unix_timestamp(`ts`) DIV 3600 * 3600, 'yyyy-MM-dd-HHmm')"

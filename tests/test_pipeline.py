@@ -20,7 +20,7 @@ from deltalake import DeltaTable
 from fleets import SENSOR
 
 from ingest.simulator import generate, publish
-from lakehouse.delta_read import row_count
+from lakehouse.delta.read import row_count
 from lakehouse.settings import Settings
 from orchestration.pipeline import Running, start_layers
 from orchestration.run import bridge_thread, check_bridge, demo

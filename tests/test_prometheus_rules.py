@@ -57,7 +57,7 @@ def _exported() -> set[str]:
     from prometheus_client.core import Metric
 
     import gold.alerts.outbox  # noqa: F401 - registers its metrics
-    import lakehouse.metrics  # noqa: F401
+    import lakehouse.monitoring.metrics  # noqa: F401
     import orchestration.upkeep  # noqa: F401
     from ingest.bridge_metrics import COUNTERS, GAUGES, BridgeCollector, LatencyHistogram
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tracked files (as in this working tree), with ``.venv`` and ``.jars`` linked, and
-    the Hadoop shim ``lakehouse/jvm`` compiles on first use copied (a build product, as .jars)."""
+    the Hadoop shim ``lakehouse/runtime/jvm`` compiles on first use copied (a build product, as .jars)."""
     dest = tmp_path_factory.mktemp("fresh") / "iotlake"
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     for rel in filter(None, listed.decode().split("\0")):

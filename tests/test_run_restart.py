@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from fleets import SENSOR
 from procs import stop_now
 
-from lakehouse.delta_read import row_count
+from lakehouse.delta.read import row_count
 from lakehouse.settings import load_settings
 from orchestration.services import free_port
 

@@ -22,8 +22,8 @@ from confluent_kafka import Producer
 from deltalake import DeltaTable
 
 from ingest.simulator import generate
-from lakehouse.delta_read import row_count
-from lakehouse.kafka_config import client_config
+from lakehouse.delta.read import row_count
+from lakehouse.kafka.config import client_config
 from lakehouse.settings import Settings
 from orchestration.cluster import StandaloneCluster, cluster_conf
 

@@ -131,7 +131,7 @@ def test_endpoint_defaults_are_loopback() -> None:
 
 def test_stream_metrics_endpoint_binds_loopback(tmp_path: Path) -> None:
     port = free_port()
-    code = f"from lakehouse.metrics import serve; serve({port}); import time; time.sleep(120)"
+    code = f"from lakehouse.monitoring.metrics import serve; serve({port}); import time; time.sleep(120)"
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     try:

@@ -52,7 +52,7 @@ def test_password_never_echoed() -> None:
 
 
 def test_variables_that_are_not_settings_are_not_read_as_settings() -> None:
-    """``IOTLAKE_JARS_DIR`` (lakehouse.jars' error message suggests it) is not a setting."""
+    """``IOTLAKE_JARS_DIR`` (lakehouse.runtime.jars' error message suggests it) is not a setting."""
     env = {"IOTLAKE_JARS_DIR": "/opt/jars", "IOTLAKE_BIN": "/x/iotlake", "IOTLAKE_TEST_KAFKA_PORT": "1"}
     assert load_settings(environ=env).kafka.topic == "telemetry"
 
@@ -148,7 +148,7 @@ def test_embedded_kafka_controller_port_never_collides() -> None:
 
 def test_driver_starts_from_the_class_archive_when_there_is_one(tmp_path: Path, monkeypatch,
                                                                spark) -> None:
-    from lakehouse import jars, native_memory
+    from lakehouse.runtime import jars, native_memory
 
     monkeypatch.setenv("IOTLAKE_JARS_DIR", str(tmp_path))
     plain = " ".join((f"-Dlog4j2.configurationFile={jars.LOG4J2}",
@@ -265,7 +265,7 @@ def test_maintenance_retentions(spark, tmp_path: Path) -> None:
     """Retentions below an hour need ``allow_short_retention``, and the log's must cover
     vacuum's (Delta's rule); the tables iotlake creates carry both as Delta properties and leave
     the log's clean-up to iotlake; an unknown retention table is named."""
-    from lakehouse.delta_tables import ensure_table
+    from lakehouse.delta.tables import ensure_table
     from lakehouse.tables import BRONZE
 
     m = load_settings(environ={}).maintenance

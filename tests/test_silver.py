@@ -21,7 +21,7 @@ from fleets import SENSOR
 from pyspark.sql import functions as F
 
 import silver.stream
-from lakehouse.delta_read import read_table
+from lakehouse.delta.read import read_table
 from lakehouse.settings import Settings, load_settings
 from lakehouse.spark import session_confs
 from lakehouse.tables import BRONZE

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lakehouse.sparkplug import parse_topic, payload_class, rebirth_request
+from lakehouse.mqtt.sparkplug import parse_topic, payload_class, rebirth_request
 from silver.sparkplug import EdgeNodeState, Output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,6 +335,7 @@ def test_the_simulator_speaks_sparkplug_as_pysparkplug_reads_it() -> None:
     import random
 
     from ingest.sparkplug_sim import SparkplugFleet
+
     from lakehouse.settings import load_settings
 
     s = load_settings(environ={}, telemetry={"sparkplug": True, "sparkplug_groups": ["plant1"], "metrics": [

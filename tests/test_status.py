@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from dashboard.app import create_app
 from ingest.simulator import generate, publish
-from lakehouse.delta_read import row_count
+from lakehouse.delta.read import row_count
+from lakehouse.monitoring.status_file import iso_time, read_status, status_path, write_status
 from lakehouse.settings import AlertRuleSettings, Settings, load_settings
-from lakehouse.status_file import iso_time, read_status, status_path, write_status
 from orchestration.cli import main
 from orchestration.pipeline import Running, start_layers
 from orchestration.run import bridge_thread

@@ -46,7 +46,7 @@ from gold.alerts.rules import (
     pipeline_conditions,
     site_conditions,
 )
-from lakehouse.delta_read import open_table, table_exists
+from lakehouse.delta.read import open_table, table_exists
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from gold.alerts import store
-from lakehouse.delta_tables import append_table, ensure_named_table, retry_conflicts
+from lakehouse.delta.tables import append_table, ensure_named_table, retry_conflicts
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
 from lakehouse.tables import ALERTS, ALERTS_CURRENT

@@ -3,7 +3,7 @@
 
 A JVM started with ``-XX:ArchiveClassesAtExit`` writes every class it loaded to the archive when
 it exits; later JVMs map those classes instead of reading, parsing and verifying them from the
-jars (``lakehouse.jars.driver_java_options``, ``orchestration.services.kafka_service``).
+jars (``lakehouse.runtime.jars.driver_java_options``, ``orchestration.services.kafka_service``).
 
 - ``spark``: a short ``iotlake demo`` (MQTT -> Kafka -> bronze -> silver -> gold, on its own
   brokers and a temporary data root) records the driver's classes.
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lakehouse.jars import driver_java_options
+from lakehouse.runtime.jars import driver_java_options
 from lakehouse.settings import load_settings
 from orchestration.services import ServiceError, free_port, kafka_service
 

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 import paho.mqtt.client as mqtt
 
 from ingest.faults import AnomalyPlan, Injector
-from lakehouse import mqtt_auth
+from lakehouse.mqtt import auth as mqtt_auth
 from lakehouse.settings import Settings
 from lakehouse.telemetry import TelemetryModel, topic_parts
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 
 from ingest.simulator import Message
+from lakehouse.mqtt.sparkplug import NAMESPACE, payload_class
 from lakehouse.settings import Settings
-from lakehouse.sparkplug import NAMESPACE, payload_class
 
 #: Sparkplug B datatypes used for the model's metric types
 _DOUBLE, _INT64 = 10, 4

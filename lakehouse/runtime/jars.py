@@ -1,4 +1,5 @@
-"""Where the JVM dependencies live: resolved from Maven at install (``make jars``), never at run time.
+"""The JVMs: where their dependencies live (resolved from Maven at install, ``make jars``, never
+at run time), their options and class-data-sharing archives.
 
 ``infra/jvm/spark-jars.pom.xml`` pins delta-spark and Spark's Kafka connector for the pyspark in
 ``pyproject.toml``; ``infra/jvm/kafka-broker.pom.xml`` pins the embedded Apache Kafka broker.
@@ -12,9 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-from lakehouse import native_memory
+from lakehouse.runtime import native_memory
 
-_CHECKOUT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class JarsMissing(RuntimeError):

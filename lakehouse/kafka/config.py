@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lakehouse import kafka_auth
+from lakehouse.kafka import auth as kafka_auth
 from lakehouse.settings import Settings
 
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lakehouse import mqtt_tls
+from lakehouse.mqtt import tls as mqtt_tls
 from lakehouse.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ def write_files(settings: Settings, devices: dict[str, str] | None = None) -> No
         mqtt_tls.write_private(d / "passwd", own_lines + device_lines)
         mqtt_tls.write_private(d / "passwd-services", own_lines)
         mqtt_tls.write_private(d / "passwd-devices", device_lines)
-        acl = ["# written by iotlake (lakehouse/mqtt_auth.py) from the device store and the "
+        acl = ["# written by iotlake (lakehouse/mqtt/auth.py) from the device store and the "
                "telemetry model: change devices with `iotlake devices`, not here"]
         if settings.mqtt.allow_anonymous:  # lines before any user: clients without a user name
             acl.append("topic readwrite #")

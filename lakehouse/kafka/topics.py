@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from lakehouse.kafka_config import client_config
+from lakehouse.kafka.config import client_config
 from lakehouse.settings import Settings
 
 

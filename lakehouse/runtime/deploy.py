@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 #: Top-level packages executors import (UDFs and state functions live in them).
 PACKAGES = ("lakehouse", "ingest", "bronze", "silver", "gold")
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def is_local(master: str) -> bool:
@@ -80,5 +80,5 @@ def ship_packages(spark: SparkSession, dest_dir: str | os.PathLike[str] | None =
     return z
 
 
-if __name__ == "__main__":  # python -m lakehouse.deploy [DIR]: build the zip for spark-submit
+if __name__ == "__main__":  # python -m lakehouse.runtime.deploy [DIR]: build the zip for spark-submit
     print(package_zip(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -22,8 +22,8 @@ from prometheus_client import Counter, Gauge
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
-from lakehouse.delta_read import latest_version
-from lakehouse.delta_tables import ensure_named_table, timestamp_literal, upsert
+from lakehouse.delta.read import latest_version
+from lakehouse.delta.tables import ensure_named_table, timestamp_literal, upsert
 from lakehouse.tables import PIPELINE_METRICS
 
 log = logging.getLogger(__name__)

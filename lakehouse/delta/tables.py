@@ -27,8 +27,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from lakehouse import delta_txn
-from lakehouse.delta_read import open_table, table_exists
+from lakehouse.delta import txn as delta_txn
+from lakehouse.delta.read import open_table, table_exists
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame, session_confs
 from lakehouse.tables import STATS_COLUMNS_PROPERTY, column_properties, time_partitioning
@@ -261,7 +261,7 @@ def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T
 
     ``spark`` must be the micro-batch's own session (``df.sparkSession`` in foreachBatch): each
     streaming query runs in a session clone, so queries in other threads never see these confs.
-    A batch's writes that run at once (``lakehouse.concurrent_writes``) may hold one such write:
+    A batch's writes that run at once (``lakehouse.delta.concurrent_writes``) may hold one such write:
     the others commit through Delta's transaction API or carry the ids as writer options, which
     Delta takes over these confs.
     """

@@ -6,7 +6,7 @@ it needs from the version's checksum file instead (the table's app transactions,
 tables its data files: Delta lists them there up to 50 files), then writes and commits with
 Delta's own ``OptimisticTransaction``: the same files, statistics, generated columns, conflict
 checks and ``SetTransaction`` (exactly once per app id and batch) as Delta's commands. Arrow
-tables the driver holds are written as Parquet by pyarrow instead (``lakehouse.parquet_files``)
+tables the driver holds are written as Parquet by pyarrow instead (``lakehouse.delta.parquet_files``)
 and committed the same way (``append_table``, ``replace_table``).
 
 Each function raises ``SlowPath`` where it does not apply (the caller then uses Delta's own
@@ -27,7 +27,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from lakehouse import parquet_files, storage
+from lakehouse import storage
+from lakehouse.delta import parquet_files
 from lakehouse.spark import session_confs
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def append_once(df: DataFrame, path: str, app_id: str, batch_id: int) -> None:
 
 def append_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, batch_id: int) -> None:
     """``append_once`` for an Arrow table the driver holds: its Parquet files written by pyarrow
-    (``lakehouse.parquet_files``, the statistics Delta would record), committed with Delta's
+    (``lakehouse.delta.parquet_files``, the statistics Delta would record), committed with Delta's
     transaction like Delta's own files. ``SlowPath`` for object storage (Spark's writer reaches
     it, with its credentials) and for tables whose writes need Delta's writer (``_file_plan``)."""
     if not local_table(path) or not table.num_rows:
