@@ -21,10 +21,7 @@ ORDER = ["lakehouse", "ingest", "bronze", "silver", "gold", "dashboard", "orches
 #: documentation, no module today).
 PRODUCT = [*ORDER, "expectations"]
 #: Circles left on purpose, each as its modules in sorted order; every entry names its fix.
-KNOWN_CYCLES: set[tuple[str, ...]] = {
-    # issue 70's ingest task (the simulator package split) takes the Sparkplug fleet out of it
-    ("ingest.simulator", "ingest.sparkplug_sim"),
-}
+KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
 
 def imported_packages(path: Path) -> set[str]:
