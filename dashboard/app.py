@@ -85,7 +85,8 @@ class TableCache:
     the new version (one refresh per table at a time), reading the ``preload`` tables whole
     there. Only a table's first open is waited for. Reading the log and the table inside the
     request made it wait longest when the pipeline's jobs held every core (a 628 ms call in the
-    hour-long soak, docs/benchmarks.md); an answer now lags the table by at most one refresh."""
+    hour-long soak, docs/history/benchmarks.md); an answer now lags the table by at most one
+    refresh."""
 
     def __init__(self, settings: Settings, check_every: float = 1.0,
                  preload: tuple[str, ...] = ("device_current", "alerts_current")) -> None:

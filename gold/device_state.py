@@ -2,7 +2,7 @@
 
 Spark's arbitrary-state operator costs every batch a shuffle by device bucket, a round trip
 of each bucket through a Python worker, its state (de)serialised per bucket and the output
-cached for four writes: about as much as the rest of the batch (docs/benchmarks.md). Here a
+cached for four writes: about as much as the rest of the batch (docs/history/benchmarks.md). Here a
 batch goes to the driver as Arrow, as silver's does for its dedup index, where one
 column-wise ``Bucket`` holds every device and ``gold.scoring.score_readings`` scores the batch in
 one call; the four tables are written from the result.

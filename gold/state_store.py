@@ -58,7 +58,7 @@ from lakehouse.telemetry import TelemetryModel
 #: Fixed per checkpoint; also the most shuffle partitions the stream can use. More buckets:
 #: less state rewritten when a micro-batch has fewer readings than buckets; fewer: less fixed
 #: cost per group (pyspark's conversions and ours). Measured with bench/gold_throughput.py;
-#: figures in docs/benchmarks.md.
+#: figures in docs/history/benchmarks.md.
 STATE_BUCKETS = 64
 
 # A bucket's state: one row per device, as an LZ4-compressed Arrow IPC stream in base64 text.

@@ -247,12 +247,12 @@ class SparkSettings(_Section):
     # batches of a catch-up run per-row code that compiled code runs faster. "batch": compiled
     # in the processes that run batch work (backfill, reprocess, SQL, maintenance), interpreted
     # in the streams; "on" / "off" (true / false): everywhere. Interpreted means Spark's
-    # NO_CODEGEN, which turns whole-stage code generation off too. docs/benchmarks.md,
+    # NO_CODEGEN, which turns whole-stage code generation off too. docs/history/benchmarks.md,
     # sessions 14, 30, 41 and 42.
     expression_codegen: Literal["batch", "on", "off"] = "batch"
     # glibc malloc arenas of the driver JVM (MALLOC_ARENA_MAX; 0: glibc's default, up to 8 per
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
-    # growing over hours (docs/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
+    # growing over hours (docs/history/benchmarks.md). An inherited MALLOC_ARENA_MAX wins.
     malloc_arenas: int = Field(2, ge=0)
     # MB the driver JVM reserves for JIT-compiled code (-XX:ReservedCodeCacheSize; 0: the JVM's
     # 240). A long run's JIT keeps compiling Spark's planner and Delta's code for hours and keeps
@@ -287,7 +287,7 @@ class StreamSettings(_Section):
     trigger_seconds: float = Field(0.5, ge=0)
     # Gold's two stateful queries cost the most per batch; a longer interval spreads that cost
     # over more rows and leaves the cores to bronze and silver, at the price of device status a
-    # few seconds later (bench/alert_latency.py, docs/benchmarks.md). <0: trigger_seconds.
+    # few seconds later (bench/alert_latency.py, docs/performance.md). <0: trigger_seconds.
     gold_trigger_seconds: float = Field(3.0)
     # Gold's window aggregates (1-minute windows) need no refresh as often as device health:
     # a longer interval leaves the cores to the latency path. <0: gold_trigger_seconds.
@@ -450,7 +450,7 @@ class GoldSettings(_Section):
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
     # the sliding windows (gold_metrics_5m and its final table; e.g. 300). 0, the default, leaves
     # them out: no reader iotlake ships needs them, and they cost about half of the window
-    # stream (docs/benchmarks.md, sessions 37-38)
+    # stream (docs/history/benchmarks.md, sessions 37-38)
     slide_window_seconds: int = Field(0, ge=0)
     slide_every_seconds: int = Field(60, ge=60)
     # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the

@@ -191,7 +191,7 @@ _WINDOW_TABLES = ("gold_metrics_1m", "gold_metrics_5m", "gold_metrics_1m_final",
 #: times that reads filter or join on, data skipping, Z-ordering (``orchestration.maintenance``)
 #: and retention (``RETENTION_COLUMNS``) use. Delta computes statistics row by row at every
 #: write; on its default (the first 32 columns) that was a quarter of gold health's JVM CPU
-#: (docs/benchmarks.md). Silver adds the telemetry model's topic parts (``stats_columns``).
+#: (docs/history/benchmarks.md). Silver adds the telemetry model's topic parts (``stats_columns``).
 STATS_COLUMNS: dict[str, tuple[str, ...]] = {
     "bronze": ("topic", "partition", "offset", "timestamp", "ingest_time"),
     "silver": ("device_id", "event_time", "ingest_time"),

@@ -353,8 +353,8 @@ def kafka_service(settings: Settings, port: int | None = None, record_archive: P
     java, classpath = java_binary(), kafka_classpath()
     heap = settings.kafka.embedded_heap_mb
     # Serial GC and C1 only: on a small machine the broker starts in about half the time, with
-    # no slower produce, and RSS stays near the heap (docs/benchmarks.md).
-    # The class archive: the broker starts in ~40% less time and CPU (docs/benchmarks.md).
+    # no slower produce, and RSS stays near the heap (docs/history/benchmarks.md).
+    # The class archive: the broker starts in ~40% less time and CPU (docs/history/benchmarks.md).
     cds = [] if record_archive else jars.archive_options(jars.kafka_class_archive())
     jvm = [java, f"-Xmx{heap}m", f"-Xms{min(64, heap)}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *native_memory.jvm_options(java),

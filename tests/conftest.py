@@ -30,7 +30,7 @@ C1_ONLY = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 os.environ.setdefault("JAVA_TOOL_OPTIONS", C1_ONLY)
 # For the same reason their Spark sessions interpret expressions, the batch processes' too (CLI
 # backfills, Airflow's tasks): compiling them pays only over large batches (a C1 JVM backfilling
-# 500 rows took 47-51 CPU-s interpreted, 54-62 compiled; docs/benchmarks.md, session 30).
+# 500 rows took 47-51 CPU-s interpreted, 54-62 compiled; docs/history/benchmarks.md, session 30).
 os.environ.setdefault("IOTLAKE_SPARK__EXPRESSION_CODEGEN", "off")
 
 _main = sys.modules["__main__"]
@@ -159,10 +159,10 @@ def pytest_sessionstart(session) -> None:
                     f"/tmp/pytest-of-*), or point TMPDIR at a larger disk.", returncode=3)
 
 
-# Longest files first (worker-seconds on the 2-core machine, docs/benchmarks.md): with two xdist
-# workers taking whole files, a long file started last would leave one worker idle while the
-# other finishes it. `make test` passes --no-loadscope-reorder: xdist would otherwise order files
-# by their number of tests.
+# Longest files first (worker-seconds on the 2-core machine, docs/history/benchmarks.md): with
+# two xdist workers taking whole files, a long file started last would leave one worker idle
+# while the other finishes it. `make test` passes --no-loadscope-reorder: xdist would otherwise
+# order files by their number of tests.
 _LONG_FILES = ("test_bench_processes.py", "test_chaos.py", "test_benchmarks.py", "test_alerts_pipeline.py", "test_gold.py",
                "test_scaleout.py", "test_fleet.py", "test_bridge.py", "test_pipeline.py",
                "test_dags.py", "test_sparkplug.py", "test_device_auth.py",
