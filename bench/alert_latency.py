@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fleets import SENSOR  # noqa: E402
 from procs import stop_now  # noqa: E402  (bench/ is on sys.path)
 
-from ingest.simulator import mqtt_client  # noqa: E402
+from ingest.mqtt_client import mqtt_client  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from orchestration.services import free_port  # noqa: E402
 

@@ -4,7 +4,7 @@ Runs ``iotlake run --simulate RATE --devices N --anomalies FRACTION`` (embedded 
 Apache Kafka, the bridge, every stream) on the example sensor fleet at its own rate
 (``examples/sensor.toml``: 200 readings/s over 100 devices, one reading per device every 0.5 s)
 in a fresh data root, until gold has scored ``--minutes`` of event time. The simulator's faults
-(``ingest.faults``: spike, level shift, stuck value, drift, dropout) begin after
+(``ingest.simulator.faults``: spike, level shift, stuck value, drift, dropout) begin after
 ``--warmup-minutes`` (the detectors learn their first ~100 readings per key), their ground truth
 in ``<root>/faults.jsonl``. Then, from gold's ``anomalies`` (delta-rs):
 
@@ -39,10 +39,10 @@ import pyarrow.compute as pc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fleets import SENSOR  # noqa: E402
-from ingest.faults import KINDS, faulted_devices, read_truth  # noqa: E402
 from procs import stop_now  # noqa: E402  (bench/ is on sys.path)
 
 from ingest.simulator import device_id  # noqa: E402
+from ingest.simulator.faults import KINDS, faulted_devices, read_truth  # noqa: E402
 from lakehouse.delta.read import arrow_dataset, open_table, table_exists  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from orchestration.services import free_port  # noqa: E402

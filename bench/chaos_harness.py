@@ -239,7 +239,7 @@ class Publisher:
     unacknowledged publishes after a reconnect) until stopped; ``messages`` holds what it sent."""
 
     def __init__(self, settings: Settings, source: Iterator, rate: float) -> None:
-        from ingest.simulator import _Publisher
+        from ingest.simulator.publisher import _Publisher
 
         self.source, self.rate = source, rate
         self.messages: list = []

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fleets import SENSOR  # noqa: E402
 from procs import IOTLAKE, by_role, stop_now  # noqa: E402  (bench/ is on sys.path)
 
-from ingest.simulator import mqtt_client  # noqa: E402
+from ingest.mqtt_client import mqtt_client  # noqa: E402
 from lakehouse.delta.read import commit_adds, latest_version  # noqa: E402
 from lakehouse.settings import load_settings  # noqa: E402
 from lakehouse.spark import shuffle_partitions  # noqa: E402

@@ -36,8 +36,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ingest.bridge_metrics import BridgeCollector, LatencyHistogram, serve
-from ingest.mqtt_client import BufferedClient
-from ingest.simulator import mqtt_client
+from ingest.mqtt_client import BufferedClient, mqtt_client
 from lakehouse.kafka.config import client_config
 from lakehouse.mqtt.sparkplug import NAMESPACE, parse_topic, rebirth_request
 from lakehouse.mqtt.sparkplug import Topic as SparkplugTopic

@@ -86,10 +86,10 @@ def add_anomaly_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def anomaly_plan(args: argparse.Namespace, settings: Settings):
-    """The ``ingest.faults.AnomalyPlan`` the flags ask for, or None."""
+    """The ``ingest.simulator.faults.AnomalyPlan`` the flags ask for, or None."""
     from pathlib import Path
 
-    from ingest.faults import AnomalyPlan, default_path
+    from ingest.simulator.faults import AnomalyPlan, default_path
 
     if not args.anomalies:
         return None

@@ -1,4 +1,7 @@
-"""A paho client with buffered reads, a fast path for QoS-1 PUBLISH and batched PUBACKs.
+"""iotlake's MQTT clients: ``mqtt_client``, the factory the bridge, the simulator and the alert
+channels take their paho clients from (TLS and the role's login applied), and
+``BufferedClient``, a paho client with buffered reads, a fast path for QoS-1 PUBLISH and
+batched PUBACKs (the bridge's).
 
 Measured on the bridge (cProfile, 100k messages): paho 2.x reads every packet with at least
 three ``recv`` calls (command byte, remaining-length bytes one at a time, then the body), builds
@@ -21,9 +24,24 @@ from collections.abc import Callable, Iterable
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import _ConnectionState
 
+from lakehouse.mqtt import auth as mqtt_auth
+from lakehouse.settings import Settings
+
 #: One ``recv`` reads up to this much; ~1,500 telemetry messages of ~170 bytes.
 READ_CHUNK = 256 * 1024
 _PUBACK = 0x40
+
+
+def mqtt_client(settings: Settings, client_id: str = "", protocol: int = mqtt.MQTTv311,
+                client_class: type[mqtt.Client] = mqtt.Client, role: str = "simulator",
+                **kwargs) -> mqtt.Client:
+    """A paho 2.x client with TLS and the credential of iotlake's client ``role`` applied
+    (``lakehouse.mqtt_auth.login``: the settings' user, or the role's own on the embedded
+    broker; never logged)."""
+    c = client_class(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
+                     **kwargs)
+    mqtt_auth.configure_client(c, settings, role)
+    return c
 
 
 class BufferedClient(mqtt.Client):

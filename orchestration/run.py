@@ -128,7 +128,7 @@ def detach_metrics(spark) -> None:
 def run(settings: Settings, role: str = "all", simulate: float = 0.0, devices: int = 100,
         stop: threading.Event | None = None, anomalies=None) -> int:
     """Run until ``stop`` is set (or a signal arrives); stops the Spark session it used.
-    ``anomalies``: the simulator's labelled faults (an ``ingest.faults.AnomalyPlan``)."""
+    ``anomalies``: the simulator's labelled faults (an ``ingest.simulator.faults.AnomalyPlan``)."""
     from orchestration.pipeline import LAYERS, Running, check_alive, start_layers
     from orchestration.services import embedded_services
 

@@ -30,7 +30,7 @@ from conftest import TEST_MQTT_LOGIN, TEST_MQTT_PORT
 from deltalake import DeltaTable
 from fleets import SENSOR
 
-from ingest.simulator import mqtt_client
+from ingest.mqtt_client import mqtt_client
 from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import load_settings
 

@@ -21,7 +21,8 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ingest.bridge import Bridge
-from ingest.simulator import generate, mqtt_client, publish
+from ingest.mqtt_client import mqtt_client
+from ingest.simulator import generate, publish
 from lakehouse.kafka.topics import ensure_topics
 from lakehouse.settings import Settings
 from orchestration.services import free_port

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from fleets import SENSOR, example
 
-from ingest.faults import KINDS, SPIKE_READINGS, AnomalyPlan, faulted_devices, read_truth
 from ingest.simulator import device_id, generate
+from ingest.simulator.faults import KINDS, SPIKE_READINGS, AnomalyPlan, faulted_devices, read_truth
 from lakehouse.settings import load_settings
 from orchestration.cli import main
 

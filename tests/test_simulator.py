@@ -11,7 +11,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from fleets import SENSOR
 
-from ingest.simulator import format_ts, generate, mqtt_client, publish
+from ingest.mqtt_client import mqtt_client
+from ingest.simulator import format_ts, generate, publish
 
 START = datetime(2026, 11, 21, 22, 30, 0, 123000, tzinfo=UTC)
 

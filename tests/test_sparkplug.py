@@ -234,7 +234,7 @@ def test_an_edge_node_through_mosquitto_the_bridge_kafka_bronze_and_silver(setti
 
     import bronze.stream
     from ingest.bridge import Bridge
-    from ingest.simulator import mqtt_client
+    from ingest.mqtt_client import mqtt_client
     from lakehouse.streams import release_checkpoints
 
     group = f"g{time.time_ns()}"
@@ -334,8 +334,7 @@ def test_the_simulator_speaks_sparkplug_as_pysparkplug_reads_it() -> None:
     import itertools
     import random
 
-    from ingest.sparkplug_sim import SparkplugFleet
-
+    from ingest.simulator.sparkplug import SparkplugFleet
     from lakehouse.settings import load_settings
 
     s = load_settings(environ={}, telemetry={"sparkplug": True, "sparkplug_groups": ["plant1"], "metrics": [
@@ -380,7 +379,7 @@ def test_the_bridge_asks_a_node_without_a_birth_for_a_rebirth(settings) -> None:
     from test_bridge import derive, running
 
     from ingest.bridge import Bridge
-    from ingest.simulator import mqtt_client
+    from ingest.mqtt_client import mqtt_client
 
     group = f"r{time.time_ns()}"
     s = derive(settings, telemetry={"sparkplug": True, "sparkplug_groups": [group], "status_rules": [],

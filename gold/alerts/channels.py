@@ -25,7 +25,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from gold.alerts.notification import Notification, rfc3339, webhook_body
-from ingest.simulator import mqtt_client
+from ingest.mqtt_client import mqtt_client
 from lakehouse.settings import AlertsSettings, Settings, SettingsError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Iterator
 
-from ingest.simulator import Message
+from ingest.simulator.fleet import Message
 from lakehouse.mqtt.sparkplug import NAMESPACE, payload_class
 from lakehouse.settings import Settings
 
