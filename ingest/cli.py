@@ -115,31 +115,6 @@ def _ensure_topics(settings: Settings) -> None:
         log.warning("could not ensure Kafka topics: %s", e)
 
 
-def bridge_main(argv: list[str] | None = None) -> int:
-    """``python -m ingest.bridge``: one bridge instance, as ``iotlake bridge --instances K``
-    spawns them (a settings error exits 2 with its message)."""
-    from lakehouse.settings import SettingsError, load_settings
-
-    p = argparse.ArgumentParser(prog="python -m ingest.bridge",
-                                description="MQTT -> Kafka bridge: one instance")
-    p.add_argument("--config", help="settings file (default: ./iotlake.toml or $IOTLAKE_CONFIG)")
-    p.add_argument("--bridge-id", help="stable MQTT client id (default: mqtt.client_id)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ingest.bridge import Bridge, tuned_gc
-
-    try:
-        bridge = Bridge(load_settings(args.config), args.bridge_id)
-    except SettingsError as e:
-        print(f"ingest.bridge: {e}", file=sys.stderr)
-        return 2
-    with tuned_gc():
-        bridge.run(_stop_on_signals())
-    return 0
-
-
 def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
     instances = args.instances or settings.bridge.instances
     if instances < 1:
