@@ -29,8 +29,8 @@ from orchestration.services import embedded_services  # noqa: E402
 C1_ONLY = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 os.environ.setdefault("JAVA_TOOL_OPTIONS", C1_ONLY)
 # For the same reason their Spark sessions interpret expressions, the batch processes' too (CLI
-# backfills, Airflow's tasks): compiling them pays only over large batches (a C1 JVM backfilling
-# 500 rows took 47-51 CPU-s interpreted, 54-62 compiled; docs/history/benchmarks.md, session 30).
+# backfills, Airflow's tasks): compiling them pays only over large batches, and the tests' are
+# small (measured: docs/history/benchmarks.md).
 os.environ.setdefault("IOTLAKE_SPARK__EXPRESSION_CODEGEN", "off")
 
 _main = sys.modules["__main__"]
