@@ -70,11 +70,9 @@ def flags_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray,
     """Flags of every lane (``[offsets[j], offsets[j + 1])``, each in time order)."""
     offs = np.ascontiguousarray(offsets, dtype=np.int64)
     states = config.initial_rows(offs.size - 1)
-    out = _kernel(np.ascontiguousarray(values, dtype=np.float64),
-                  np.ascontiguousarray(times, dtype=np.float64), offs, states,
-                  np.arange(offs.size - 1, dtype=np.int64), config.averaging_window,
-                  config.params())
-    return out[2]
+    return _kernel(np.ascontiguousarray(values, dtype=np.float64),
+                   np.ascontiguousarray(times, dtype=np.float64), offs, states,
+                   config.averaging_window, config.params())
 
 
 _SQRT_HALF_PI = math.sqrt(math.pi / 2.0)  # mean absolute deviation x this = sd, for a Gaussian
@@ -109,36 +107,27 @@ def _gpd_isf(p, m1, m2):
 
 
 @numba.njit(cache=True)
-def _kernel(xs, ts, offs, states, at, w, p):
-    """The per-reading recursion and run flags of every lane (``states[at[lane]]`` updated in
+def _kernel(xs, ts, offs, states, w, p):
+    """The per-reading recursion and run flags of every lane (``states[lane]`` updated in
     place)."""
     (thr, warm, learn, est, hist, a_lev, q_per_s, q_max, u, p_ref, exc_prior, on_pt, on_lk,
      raw_point) = p
-    total = xs.size
-    scores = np.zeros(total)
-    base_out = np.full(total, np.nan)
-    lo_out = np.full(total, np.nan)
-    hi_out = np.full(total, np.nan)
-    model_out = np.zeros(total, dtype=np.int8)
-    flags = np.zeros(total, dtype=np.bool_)
-    n_out = np.zeros(total)
+    flags = np.zeros(xs.size, dtype=np.bool_)
     o_r = 15  # the raw scores follow the 15 scalars
     for lane in range(offs.size - 1):
-        row = states[at[lane]]
+        row = states[lane]
         n, lev, mae, t_last, dt = row[1], row[2], row[3], row[4], row[5]
         p_u, m1, m2, exc_n = row[6], row[7], row[8], row[9]
         ring_n, lik_n, lik_m, lik_v, hot = row[10], row[11], row[12], row[13], row[14]
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
-            n_out[i] = n
             if np.isnan(xv) or np.isnan(tv):
                 continue
             if n == 0.0:
                 lev = xv
                 t_last = tv
                 n = 1.0
-                base_out[i] = xv
                 continue
             gap = tv - t_last
             if gap > 0.0:
@@ -177,24 +166,18 @@ def _kernel(xs, ts, offs, states, at, w, p):
             ll = math.log(pv) / lq if pv > 0.0 else 1e300
             ll = ll if ll > 0.0 else 0.0
             sc = ll / (1.0 + ll)
-            scores[i] = sc
-            base_out[i] = lev
-            model_out[i] = 1 if p_pt <= p_lk else 2
-            zq = u + _gpd_isf(q / p_u, m1, m2) if q < p_u else u
-            lo_out[i] = lev - zq * s
-            hi_out[i] = lev + zq * s
             flags[i] = sc >= thr and hot == 0.0 and n >= warm
             hot = 1.0 if sc >= thr else 0.0
-            # learning (after judging): the tail learns only from readings it did not flag
-            cnt = n - learn + 1.0 + exc_prior / p_ref
+            # learning, after judging
+            p_u_before = p_u
             if n >= learn:
-                p_u += ((1.0 if z > u else 0.0) - p_u) / cnt
+                p_u += ((1.0 if z > u else 0.0) - p_u) / (n - learn + 1.0 + exc_prior / p_ref)
                 if z > u:  # a reading beyond the boundary teaches the boundary (winsorised)
+                    zq = u + _gpd_isf(q / p_u_before, m1, m2) if q < p_u_before else u
                     exc_n += 1.0
                     y = z - u if z < zq else zq - u
                     m1 += (y - m1) / exc_n
                     m2 += (y * y - m2) / exc_n
-            if n >= learn:
                 lik_n += 1.0
                 c = lik_n if lik_n < hist else hist
                 d = avg - lik_m
@@ -209,5 +192,5 @@ def _kernel(xs, ts, offs, states, at, w, p):
         row[1], row[2], row[3], row[4], row[5] = n, lev, mae, t_last, dt
         row[6], row[7], row[8], row[9] = p_u, m1, m2, exc_n
         row[10], row[11], row[12], row[13], row[14] = ring_n, lik_n, lik_m, lik_v, hot
-    return scores, base_out, flags, n_out, model_out, lo_out, hi_out
+    return flags
 
