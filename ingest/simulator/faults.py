@@ -72,6 +72,7 @@ class Injector:
         self.plan, self.ids, self.seed = plan, ids, seed
         self.start_us, self.interval_us = start_us, interval_us
         self.metrics = [(i, m.name, m.min, m.max) for i, m in enumerate(model.metrics) if m.gold]
+        self.by_index = {m[0]: m for m in self.metrics}
         if not self.metrics:
             raise ValueError("anomalies need a gold metric in the telemetry model")
         self.rank = {d: r for r, d in enumerate(faulted_devices(len(ids), plan.fraction, seed))}
@@ -101,7 +102,7 @@ class Injector:
             v += p["offset"] * (k - f.first + 1) / (f.last - f.first + 1)
         else:
             v += p["offset"]
-        _, _, lo, hi = next(m for m in self.metrics if m[0] == i)
+        _, _, lo, hi = self.by_index[i]
         return min(hi, v) if hi is not None and v > hi else max(lo, v) if lo is not None and v < lo else v
 
     def _fault(self, d: int, k: int) -> Fault | None:
@@ -121,7 +122,7 @@ class Injector:
     def _begin(self, f: Fault, v: float) -> None:
         """Fix the fault's parameters from the value it starts on; record its truth."""
         f.started = True
-        _, name, lo, hi = next(m for m in self.metrics if m[0] == f.metric)
+        _, name, lo, hi = self.by_index[f.metric]
         span = hi - lo if lo is not None and hi is not None else _UNBOUNDED_SPAN
         up = (float("inf") if hi is None else hi - v) >= (float("inf") if lo is None else v - lo)
         sign = 1.0 if up else -1.0
