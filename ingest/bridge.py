@@ -14,13 +14,11 @@ Kafka error the bridge switches to a report per record and re-reads what it had 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
 import logging
 import select
-import signal
 import sys
 import threading
 import time
@@ -40,7 +38,7 @@ from ingest.mqtt_client import BufferedClient, mqtt_client
 from lakehouse.kafka.config import client_config
 from lakehouse.mqtt.sparkplug import NAMESPACE, parse_topic, rebirth_request
 from lakehouse.mqtt.sparkplug import Topic as SparkplugTopic
-from lakehouse.settings import Settings, SettingsError, load_settings
+from lakehouse.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -709,27 +707,7 @@ def tuned_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ingest.bridge", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="settings file (default: ./iotlake.toml or $IOTLAKE_CONFIG)")
-    p.add_argument("--bridge-id", help="stable MQTT client id (default: mqtt.client_id)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = load_settings(args.config)
-        bridge = Bridge(settings, args.bridge_id)
-    except SettingsError as e:
-        print(f"ingest.bridge: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    with tuned_gc():
-        bridge.run(stop)
-    return 0
+if __name__ == "__main__":  # ``python -m ingest.bridge``: its arguments are the CLI's
+    from ingest.cli import bridge_main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bridge_main())

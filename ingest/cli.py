@@ -115,18 +115,42 @@ def _ensure_topics(settings: Settings) -> None:
         log.warning("could not ensure Kafka topics: %s", e)
 
 
+def _run_one(settings: Settings, bridge_id: str | None) -> int:
+    """One bridge in this process until SIGTERM/SIGINT."""
+    from ingest.bridge import Bridge, tuned_gc
+
+    bridge = Bridge(settings, bridge_id)
+    with tuned_gc():
+        bridge.run(_stop_on_signals())
+    return 0
+
+
+def bridge_main(argv: list[str] | None = None) -> int:
+    """``python -m ingest.bridge``: one bridge instance, what ``iotlake bridge`` supervises."""
+    from ingest.bridge import __doc__ as doc
+    from lakehouse.settings import SettingsError, load_settings
+
+    p = argparse.ArgumentParser(prog="python -m ingest.bridge", description=doc.splitlines()[0])
+    p.add_argument("--config", help="settings file (default: ./iotlake.toml or $IOTLAKE_CONFIG)")
+    p.add_argument("--bridge-id", help="stable MQTT client id (default: mqtt.client_id)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run_one(load_settings(args.config), args.bridge_id)
+    except SettingsError as e:
+        print(f"ingest.bridge: {e}", file=sys.stderr)
+        return 2
+
+
 def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
     instances = args.instances or settings.bridge.instances
     if instances < 1:
         raise ValueError("--instances must be >= 1")
     _ensure_topics(settings)
     if instances == 1 and settings.bridge.instances == 1:
-        from ingest.bridge import Bridge, tuned_gc
-
-        bridge = Bridge(settings, args.bridge_id)
-        with tuned_gc():
-            bridge.run(_stop_on_signals())
-        return 0
+        return _run_one(settings, args.bridge_id)
     if args.bridge_id:
         raise ValueError("--bridge-id names one instance; with --instances K the ids are "
                          "<mqtt.client_id>-0..K-1")

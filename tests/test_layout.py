@@ -68,7 +68,11 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
     is module ``a.b.c`` when there is one, else ``a.b``; relative imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    script = {id(n) for guard in tree.body if is_main_guard(guard) for n in ast.walk(guard)}
+    for node in ast.walk(tree):
+        if id(node) in script:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -79,6 +83,16 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return {m for m in found if m in modules and m != name}
+
+
+def is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``. What it imports runs only when the module is the script
+    (``python -m``), as module ``__main__``: importing the module never reaches it, so it joins
+    no circle."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                    for c in node.test.comparators))
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -148,6 +162,18 @@ def test_the_circle_check_names_a_circle(tmp_path: Path) -> None:
     paths = {n: tmp_path / "pkg" / f"{n.split('.')[-1]}.py" for n in ("pkg.a", "pkg.b", "pkg.c")}
     graph = {n: imported_modules(n, p, set(paths)) for n, p in paths.items()}
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+
+
+def test_a_script_guard_joins_no_circle(tmp_path: Path) -> None:
+    """``python -m pkg.a`` handing over to ``pkg.b``, which imports ``pkg.a``: no circle."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text(
+        "import sys\n\nif __name__ == '__main__':\n    from pkg.b import main\n    sys.exit(main())\n")
+    (tmp_path / "pkg" / "b.py").write_text("def main():\n    import pkg.a\n")
+    paths = {n: tmp_path / "pkg" / f"{n.split('.')[-1]}.py" for n in ("pkg.a", "pkg.b")}
+    graph = {n: imported_modules(n, p, set(paths)) for n, p in paths.items()}
+    assert graph == {"pkg.a": set(), "pkg.b": {"pkg.a"}}
+    assert import_cycles(graph) == []
 
 
 def test_the_runtime_sits_below_the_spark_session() -> None:
