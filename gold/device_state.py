@@ -25,8 +25,8 @@ ticks (``gold/ticks.py``) run a batch when no data comes. A backfill or reproces
 (``available_now``) keeps the event-time rule alone. A checkpoint from before the ticks (one
 source: Spark cannot add one) runs without them, with a warning.
 
-Durability mirrors a state store changelog: before the batch's tables commit, the devices it
-changed are written to ``<checkpoint>/device_state/<batch>.changes.arrow``, or the whole state to
+Durability is the driver-held state's changelog (``lakehouse.streams.driver_state``): before the
+batch's tables commit, the devices it changed are written to ``<checkpoint>/device_state/<batch>.changes.arrow``, or the whole state to
 ``<batch>.snapshot.arrow`` once the changes since the last snapshot hold as many rows as the
 state. A restart at batch N rebuilds the state from the last snapshot before N and the changes
 after it; a replayed batch N rewrites its own file.
@@ -35,7 +35,6 @@ after it; a replayed batch N rewrites its own file.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -75,18 +74,15 @@ from lakehouse.monitoring.metrics import note_batch
 from lakehouse.settings import Settings
 from lakehouse.spark import arrow_frame
 from lakehouse.streams import batch_watermark_ms
+from lakehouse.streams.driver_state import Changelog
 from lakehouse.tables import DEVICE_STATUS_HISTORY, READINGS_SCORED, SITE, device_current_schema
 
 log = logging.getLogger(__name__)
-#: detector states compress ~6x (a 10,000-device snapshot: ~8 MB instead of ~52)
-_IPC = pa.ipc.IpcWriteOptions(compression="lz4")
 
 
 def state_files(directory: Path) -> list[tuple[int, str, Path]]:
     """(batch, "snapshot" or "changes", file) of a device state's files, by batch."""
-    if not directory.exists():
-        return []
-    return sorted((int(f.name.split(".")[0]), f.name.split(".")[1], f) for f in directory.glob("*.arrow"))
+    return Changelog(directory, "device state").files()
 
 
 class DeviceStateStore:
@@ -94,22 +90,20 @@ class DeviceStateStore:
 
     def __init__(self, checkpoint: str, metrics: tuple[str, ...], cfg: DetectorConfig,
                  topics: tuple[str, ...] = ()) -> None:
-        self.dir = Path(checkpoint, "device_state")
+        #: detector states compress ~6x (a 10,000-device snapshot: ~8 MB instead of ~52)
+        self.changelog = Changelog(Path(checkpoint, "device_state"), "device state", "lz4")
+        self.dir = self.changelog.dir
         self.metrics, self.cfg, self.topics = metrics, cfg, topics
         self.state_len = len(state_fields(cfg))
         self.devices: Bucket | None = None
-        self.next_batch: int | None = None  # None: to be rebuilt from disk
         self.snapshot_batch = -1  # the last snapshot's batch (-1: none)
         self.changed_since = 0  # rows in the changes files after it
 
     def begin(self, batch_id: int) -> Bucket:
         """The devices as batch ``batch_id`` starts; changed in place until ``save``."""
-        if self.next_batch != batch_id or self.devices is None:
-            if self.next_batch is not None:
-                log.warning("device state: expected batch %s, got %s; rebuilding from %s",
-                            self.next_batch, batch_id, self.dir)
+        if not self.changelog.expects(batch_id) or self.devices is None:
             self._rebuild(batch_id)
-        self.next_batch = None  # a batch that fails half way leaves a state to rebuild
+        self.changelog.next_batch = None  # a batch that fails half way leaves a state to rebuild
         return self.devices
 
     def save(self, batch_id: int, changed: np.ndarray) -> None:
@@ -117,42 +111,24 @@ class DeviceStateStore:
         n = len(self.devices.ids)
         snapshot = n > 0 and self.changed_since + len(changed) >= n
         if len(changed) or snapshot:
-            kind = "snapshot" if snapshot else "changes"
-            self._write(f"{batch_id}.{kind}.arrow",
-                        devices_table(self.devices, self.metrics, None if snapshot else changed,
-                                      self.topics))
+            self.changelog.write(batch_id, devices_table(self.devices, self.metrics,
+                                                         None if snapshot else changed, self.topics),
+                                 "snapshot" if snapshot else "changes")
         if snapshot:
             # a replay of this batch starts from the snapshot before it: older files go
-            for b, _, f in state_files(self.dir):
-                if b < self.snapshot_batch:
-                    f.unlink(missing_ok=True)
+            self.changelog.drop_before(self.snapshot_batch)
             self.snapshot_batch, self.changed_since = batch_id, 0
         else:
             self.changed_since += len(changed)
-        self.next_batch = batch_id + 1
-
-    def _write(self, name: str, table: pa.Table) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.tmp"
-        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema, options=_IPC) as w:
-            w.write_table(table)
-        os.replace(tmp, self.dir / name)
+        self.changelog.next_batch = batch_id + 1
 
     def _rebuild(self, batch_id: int) -> None:
-        files = state_files(self.dir)
-        for b, _, f in files:
-            if b >= batch_id:  # a batch that did not commit (or is replayed now)
-                f.unlink()
-        files = [x for x in files if x[0] < batch_id]
-        self.snapshot_batch = max((b for b, kind, _ in files if kind == "snapshot"), default=-1)
-        tables = []
-        for b, kind, f in files:
-            if b > self.snapshot_batch or (b == self.snapshot_batch and kind == "snapshot"):
-                with pa.memory_map(str(f)) as src:
-                    tables.append(pa.ipc.open_file(src).read_all())
-        self.changed_since = sum(t.num_rows for t in tables[1 if self.snapshot_batch >= 0 else 0:])
+        tables = self.changelog.replay(batch_id)
+        self.snapshot_batch = max((b for b, kind, _ in self.changelog.files() if kind == "snapshot"),
+                                  default=-1)
+        self.changed_since = sum(t.num_rows for b, t in tables if b > self.snapshot_batch)
         if tables:
-            t = pa.concat_tables(tables, promote_options="default")
+            t = pa.concat_tables([t for _, t in tables], promote_options="default")
             # the latest row of each device (its last occurrence), in file order
             ids = t.column("device_id").to_numpy(zero_copy_only=False)
             _, first_of_reversed = np.unique(ids[::-1], return_index=True)

@@ -17,17 +17,17 @@ lag) keys: 72 MB for 3M keys at 5,000 events/s and 600 s), with no allocator fra
 dict resizing to make it creep. Two different ids share a fingerprint with
 probability ~2^-128 per pair.
 
-Durability mirrors a state store changelog: before batch N's Delta commits, the keys it adds
-are written to ``<checkpoint>/dedup/N.arrow`` (the ids themselves). After a restart the index is
-rebuilt from the files of batches < N and entries already expired; a replayed batch N rewrites
-its own file. ``stream.dedup = "state_store"`` keeps Spark's operator for volumes a driver should
+Durability is the driver-held state's changelog (``lakehouse.streams.driver_state``): before
+batch N's Delta commits, the keys it adds are written to ``<checkpoint>/dedup/N.arrow`` (the ids
+themselves). After a restart the index is rebuilt from the files of batches < N less the
+entries already expired; a replayed batch N rewrites its own file; a file goes once every key
+in it has expired. ``stream.dedup = "state_store"`` keeps Spark's operator for volumes a driver should
 not hold.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,8 @@ import pyarrow.compute as pc
 import xxhash
 from pyspark.sql import Column
 from pyspark.sql import functions as F
+
+from lakehouse.streams.driver_state import Changelog
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +131,11 @@ class DedupIndex:
     the O(keys) merge runs every few dozen batches at a steady rate."""
 
     def __init__(self, checkpoint: str, delay_ms: int) -> None:
-        self.dir = Path(checkpoint, "dedup")
+        self.changelog = Changelog(Path(checkpoint, "dedup"), "dedup index")
         self.delay_ms = delay_ms
         self._main, self._fresh = _Run(), _Run()
         self._watermark_ms = -(2**63)
         self._files: dict[int, int] = {}  # batch id -> max expiry_ms of its keys
-        self.next_batch: int | None = None  # None: not loaded
         self._pending: tuple[int, pa.Table, np.ndarray, np.ndarray] | None = None  # first_seen's fingerprints
 
     def __len__(self) -> int:
@@ -183,13 +184,8 @@ class DedupIndex:
 
     def log(self, batch_id: int, added: pa.Table) -> None:
         """Write the batch's new keys durably (before the batch commits anything)."""
-        if not added.num_rows:
-            return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{batch_id}.arrow.tmp"
-        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, _SCHEMA) as w:
-            w.write_table(added)
-        os.replace(tmp, self.dir / f"{batch_id}.arrow")
+        if added.num_rows:
+            self.changelog.write(batch_id, added)
 
     def commit(self, batch_id: int, added: pa.Table) -> None:
         """The batch committed: its keys join the index."""
@@ -200,7 +196,7 @@ class DedupIndex:
             self._add(added)
         if added.num_rows:
             self._files[batch_id] = pc.max(added.column("expiry_ms")).as_py()
-        self.next_batch = batch_id + 1
+        self.changelog.next_batch = batch_id + 1
 
     def evict(self, watermark_ms: int) -> int:
         """Drop every key whose expiry is at or before the watermark now; how many went."""
@@ -230,34 +226,25 @@ class DedupIndex:
     def _delete_spent_files(self) -> None:
         for b in [b for b, m in self._files.items() if m <= self._watermark_ms]:
             del self._files[b]
-            (self.dir / f"{b}.arrow").unlink(missing_ok=True)
+            self.changelog.drop(b)
 
     # ---- rebuild -----------------------------------------------------------------------------
     def _ensure_loaded(self, batch_id: int, watermark_ms: int) -> None:
-        if self.next_batch == batch_id:
+        if self.changelog.expects(batch_id):
             return
-        if self.next_batch is not None:
-            log.warning("dedup index: expected batch %s, got %s; rebuilding from %s",
-                        self.next_batch, batch_id, self.dir)
         self._main, self._fresh = _Run(), _Run()
         self._watermark_ms = watermark_ms
         self._files.clear()
         live_tables = []
-        for f in sorted(self.dir.glob("*.arrow")) if self.dir.exists() else ():
-            b = int(f.stem)
-            if b >= batch_id:  # a batch that did not commit (or is replayed now): not seen yet
-                f.unlink()
-                continue
-            with pa.memory_map(str(f)) as src:
-                t = pa.ipc.open_file(src).read_all()
+        for b, t in self.changelog.replay(batch_id):
             live = t.filter(pc.greater(t.column("expiry_ms"), watermark_ms))
             if live.num_rows:
                 live_tables.append(live)
                 self._files[b] = pc.max(live.column("expiry_ms")).as_py()
             else:
-                f.unlink()
+                self.changelog.drop(b)
         if live_tables:
             self._add(pa.concat_tables(live_tables))
             self.evict(watermark_ms)
-        self.next_batch = batch_id
+        self.changelog.next_batch = batch_id
         log.info("dedup index: %d keys live at batch %s", len(self), batch_id)
