@@ -2,8 +2,9 @@
 
 Read from a TOML file (``iotlake.toml`` in the working directory, or ``IOTLAKE_CONFIG``), then
 overridden by environment variables ``IOTLAKE_<SECTION>__<KEY>`` (or ``IOTLAKE_<KEY>`` for
-top-level keys). Unknown keys and bad values fail fast with a message naming the key, so a typo
-never silently falls back to a default.
+top-level keys), then by keyword arguments: pydantic-settings sources (``load_settings``).
+Unknown keys and bad values fail fast with a message naming the key, so a typo never silently
+falls back to a default. Where the lake's files live is ``lakehouse.layout``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +29,18 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
+from lakehouse.layout import DERIVED_QUERIES as DERIVED_QUERIES
+from lakehouse.layout import DERIVED_TABLES as DERIVED_TABLES
+from lakehouse.layout import Layout
 from lakehouse.storage import is_uri
 from lakehouse.telemetry import TelemetryModel
 
@@ -39,14 +53,6 @@ ENV_PREFIX = "IOTLAKE_"
 _NOT_SETTINGS = {"IOTLAKE_CONFIG", "IOTLAKE_DASHBOARD_TOKEN", "IOTLAKE_BIN", "IOTLAKE_EXTENDED_TESTS",
                  "IOTLAKE_JARS_DIR"}
 DEFAULT_FILE = "iotlake.toml"
-
-
-#: Tables and queries rebuilt by time-travel reprocessing (everything downstream of bronze).
-DERIVED_TABLES = frozenset({
-    "silver", "quarantine", "quality_log", "gold_metrics_1m", "gold_metrics_5m",
-    "gold_metrics_1m_final", "gold_metrics_5m_final", "device_current",
-    "device_status_history", "readings_scored", "anomalies"})
-DERIVED_QUERIES = frozenset({"silver", "gold_metrics_1m", "gold_health"})
 
 
 class SettingsError(ValueError):
@@ -247,8 +253,7 @@ class SparkSettings(_Section):
     # batches of a catch-up run per-row code that compiled code runs faster. "batch": compiled
     # in the processes that run batch work (backfill, reprocess, SQL, maintenance), interpreted
     # in the streams; "on" / "off" (true / false): everywhere. Interpreted means Spark's
-    # NO_CODEGEN, which turns whole-stage code generation off too. docs/history/benchmarks.md,
-    # sessions 14, 30, 41 and 42.
+    # NO_CODEGEN, which turns whole-stage code generation off too (docs/history/benchmarks.md).
     expression_codegen: Literal["batch", "on", "off"] = "batch"
     # glibc malloc arenas of the driver JVM (MALLOC_ARENA_MAX; 0: glibc's default, up to 8 per
     # core): with Spark's many threads, arenas of freed memory held the JVM's native memory
@@ -450,7 +455,7 @@ class GoldSettings(_Section):
     anomaly_threshold: float = Field(0.5, gt=0, lt=1)
     # the sliding windows (gold_metrics_5m and its final table; e.g. 300). 0, the default, leaves
     # them out: no reader iotlake ships needs them, and they cost about half of the window
-    # stream (docs/history/benchmarks.md, sessions 37-38)
+    # stream (docs/history/benchmarks.md)
     slide_window_seconds: int = Field(0, ge=0)
     slide_every_seconds: int = Field(60, ge=60)
     # Silver read per gold micro-batch (Delta's maxFilesPerTrigger / maxBytesPerTrigger, the
@@ -626,7 +631,14 @@ class DashboardSettings(_Section):
         return [h.lower().strip("[]") for h in v]
 
 
-class Settings(_Section):
+class Settings(BaseSettings):
+    """Every setting. ``load_settings`` builds it from the file, the environment and keyword
+    overrides; ``Settings(...)`` and ``Settings.model_validate(...)`` take their argument only."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True,
+                                      validate_default=False, arbitrary_types_allowed=False,
+                                      env_prefix=ENV_PREFIX, env_nested_delimiter="__")
+
     data_root: str = "./data"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     mqtt: MqttSettings = Field(default_factory=MqttSettings)
@@ -642,6 +654,43 @@ class Settings(_Section):
     alerts: AlertsSettings = Field(default_factory=AlertsSettings)
     dashboard: DashboardSettings = Field(default_factory=DashboardSettings)
     _pinned: str | None = PrivateAttr(default=None)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   **_: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        """In ``load_settings``: keyword overrides, then the environment, then the file (highest
+        priority first). Otherwise the arguments only: pydantic validates through ``__init__``,
+        and a copy made with ``model_validate`` must not pick up this process's environment."""
+        loading = _loading.get()
+        if loading is None:
+            return (init_settings,)
+        file, environ = loading
+        return (init_settings, _Environment(settings_cls, environ),
+                (_JsonFile if file.suffix == ".json" else _TomlFile)(settings_cls, file))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        """``<key>_file`` names a file holding the secret (e.g. a mounted secret):
+        ``mqtt.password_file``, ``storage.access_key_id_file``, ``storage.secret_access_key_file``,
+        ``storage.session_token_file``, ``alerts.webhook_secret_file``."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for section, keys in _SECRET_FILES:
+            node = data.get(section)
+            if not isinstance(node, dict) or not any(f"{k}_file" in node for k in keys):
+                continue
+            node = data[section] = dict(node)
+            for key in keys:
+                pf = node.pop(f"{key}_file", None)
+                if pf:
+                    try:
+                        node[key] = Path(pf).read_text().strip()
+                    except OSError as e:
+                        raise SettingsError(f"{section}.{key}_file: cannot read {pf!r}: {e.strerror}") from e
+        return data
 
     @field_validator("data_root")
     @classmethod
@@ -737,34 +786,29 @@ class Settings(_Section):
                              "checkpoints must stay on a (shared) filesystem, e.g. /var/lib/iotlake")
         return self
 
-    # ---- derived locations -------------------------------------------------------------
+    # ---- where the files live: delegated to lakehouse.layout, documented there -----------
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.data_root, self.storage.checkpoint_root, self._pinned)
+
     @property
     def remote(self) -> bool:
-        """Tables live in object storage (``data_root`` is a URI)."""
-        return is_uri(self.data_root)
+        return self.layout.remote
 
     @property
     def root(self) -> Path:
-        """The local directory: ``data_root``, or ``storage.checkpoint_root`` when tables are
-        remote. Checkpoints, run files and ``CURRENT_GENERATION`` live under it."""
-        local = self.storage.checkpoint_root if self.remote else self.data_root
-        return Path(local).expanduser().resolve()
+        return self.layout.root
 
     @property
     def checkpoint_root(self) -> Path:
-        return Path(self.storage.checkpoint_root).expanduser().resolve() if self.storage.checkpoint_root \
-            else self.root
+        return self.layout.checkpoint_root
+
+    @property
+    def run_dir(self) -> Path:
+        return self.layout.run_dir
 
     def generation(self) -> str:
-        """The generation of derived tables readers use ("" = the original one).
-
-        Time-travel reprocessing builds silver and gold into a new generation and switches
-        readers to it by atomically replacing the ``CURRENT_GENERATION`` file.
-        """
-        if self._pinned is not None:
-            return self._pinned
-        f = self.root / "CURRENT_GENERATION"
-        return f.read_text().strip() if f.exists() else ""
+        return self.layout.generation()
 
     def pinned(self, generation: str) -> Settings:
         """A copy whose derived tables and checkpoints are those of ``generation``."""
@@ -772,26 +816,11 @@ class Settings(_Section):
         copy._pinned = generation
         return copy
 
-    def _generation_parts(self, name: str, derived: frozenset[str], generation: str | None) -> list[str]:
-        gen = self.generation() if generation is None else generation
-        return ["generations", gen] if gen and name in derived else []
-
     def table_path(self, name: str, generation: str | None = None) -> str:
-        """Location of a Delta table by its logical name (``bronze``, ``silver``, ...)."""
-        if not name.replace("_", "").isalnum():
-            raise SettingsError(f"table name {name!r} must be letters, digits and '_'")
-        parts = [*self._generation_parts(name, DERIVED_TABLES, generation), "tables", name]
-        if self.remote:
-            return "/".join([self.data_root, *parts])
-        return str(self.root.joinpath(*parts))
+        return self.layout.table_path(name, generation)
 
     def checkpoint_path(self, query: str, generation: str | None = None) -> str:
-        parts = [*self._generation_parts(query, DERIVED_QUERIES, generation), "checkpoints", query]
-        return str(self.checkpoint_root.joinpath(*parts))
-
-    @property
-    def run_dir(self) -> Path:
-        return self.root / "run"
+        return self.layout.checkpoint_path(query, generation)
 
     @property
     def kafka_bootstrap(self) -> str:
@@ -836,40 +865,6 @@ def _secret_key(name: str) -> bool:
     return any(w in n for w in ("password", "secret", "token", "access_key", "credential"))
 
 
-def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
-    node = tree
-    for part in dotted[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise SettingsError(f"{'.'.join(dotted)}: cannot override inside a non-table value")
-    node[dotted[-1]] = value
-
-
-def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in _NOT_SETTINGS or key.startswith("IOTLAKE_TEST_"):
-            continue
-        dotted = key[len(ENV_PREFIX) :].lower().split("__")
-        value: Any = raw
-        if raw[:1] in "{[":  # allow JSON for dict/list values
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise SettingsError(f"{key}: not valid JSON ({e})") from e
-        _set_path(out, dotted, value)
-    return out
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        else:
-            base[k] = v
-    return base
-
-
 #: secrets that may be read from a file instead, ``<key>_file``
 _SECRET_FILES = (("mqtt", ("password",)), ("storage", _STORAGE_SECRETS), ("alerts", ("webhook_secret",)))
 
@@ -893,20 +888,66 @@ def _absolute_paths(data: dict[str, Any], folder: Path) -> None:
             node[key] = os.path.normpath(folder / v)
 
 
-def _secret_from_file(data: dict[str, Any]) -> None:
-    """``<key>_file`` lets secrets live in a file (e.g. a mounted secret): ``mqtt.password_file``,
-    ``storage.access_key_id_file``, ``storage.secret_access_key_file``, ``storage.session_token_file``."""
-    for section, keys in _SECRET_FILES:
-        node = data.get(section, {})
-        if not isinstance(node, dict):
-            continue
-        for key in keys:
-            pf = node.pop(f"{key}_file", None)
-            if pf:
+class _Environment(EnvSettingsSource):
+    """``IOTLAKE_*`` variables of ``environ``, nested with ``__``. Kept by hand: which variables
+    are not settings (``_NOT_SETTINGS``, ``IOTLAKE_TEST_*``: skipped), that a value starting with
+    ``{`` or ``[`` is JSON whatever the setting's type (a list given for a string fails instead
+    of becoming its text), and that a variable naming no setting fails as unknown
+    (pydantic-settings would skip it, so a typo would fall back to the default)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)  # prefix and delimiter: Settings.model_config
+
+    def _load_env_vars(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, raw in self._environ.items():
+            if not key.startswith(ENV_PREFIX) or key in _NOT_SETTINGS or key.startswith("IOTLAKE_TEST_"):
+                continue
+            value: Any = raw
+            if raw[:1] in "{[":
                 try:
-                    node[key] = Path(pf).read_text().strip()
-                except OSError as e:
-                    raise SettingsError(f"{section}.{key}_file: cannot read {pf!r}: {e.strerror}") from e
+                    value = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    raise SettingsError(f"{key}: not valid JSON ({e})") from e
+            out[key.lower()] = value
+        return out
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        return value  # JSON already decoded above
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        for name, value in self.env_vars.items():
+            key = name[len(ENV_PREFIX):].split(self.env_nested_delimiter)[0]
+            if key not in self.settings_cls.model_fields:
+                data[key] = value  # fails as an unknown setting
+        return data
+
+
+class _RelativeToFile:
+    """A settings file's relative paths made absolute against its folder (``_absolute_paths``);
+    its syntax errors as SettingsError."""
+
+    def _read_file(self, path: Path) -> dict[str, Any]:
+        try:
+            data = super()._read_file(path)  # type: ignore[misc]
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise SettingsError(f"{path}: invalid {path.suffix.lstrip('.').upper() or 'TOML'}: {e}") from e
+        _absolute_paths(data, path.parent.absolute())
+        return data
+
+
+class _TomlFile(_RelativeToFile, TomlConfigSettingsSource):
+    pass
+
+
+class _JsonFile(_RelativeToFile, JsonConfigSettingsSource):
+    """What ``Settings.save`` writes."""
+
+
+#: The settings file and environment ``load_settings`` is reading, while it builds a Settings.
+_loading: ContextVar[tuple[Path, Mapping[str, str]] | None] = ContextVar("_loading", default=None)
 
 
 def load_settings(
@@ -914,27 +955,18 @@ def load_settings(
     environ: dict[str, str] | None = None,
     **overrides: Any,
 ) -> Settings:
-    """Build settings from file, then env, then keyword overrides (nested dicts allowed).
+    """Build settings from file, then env (``environ``, by default ``os.environ``), then keyword
+    overrides (nested dicts allowed), each source overriding the one before key by key.
 
     Relative paths in the file (``data_root``, ``telemetry.suite``, ...) are the file's
     directory's; in env or keyword overrides, the working directory's."""
     environ = dict(os.environ if environ is None else environ)
     file = Path(path or environ.get("IOTLAKE_CONFIG") or DEFAULT_FILE)
-    data: dict[str, Any] = {}
-    if file.exists():
-        try:
-            text = file.read_text()
-            data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-            raise SettingsError(f"{file}: invalid {file.suffix.lstrip('.').upper() or 'TOML'}: {e}") from e
-    elif path is not None or "IOTLAKE_CONFIG" in environ:
+    if not file.exists() and (path is not None or "IOTLAKE_CONFIG" in environ):
         raise SettingsError(f"settings file {file} does not exist (set IOTLAKE_CONFIG or create it)")
-    _absolute_paths(data, file.parent.absolute())  # env and keyword paths: the working directory's
-    _merge(data, _env_overrides(environ))
-    _merge(data, overrides)
-    _secret_from_file(data)
+    token = _loading.set((file, environ))  # for Settings.settings_customise_sources
     try:
-        return Settings.model_validate(data)
+        return Settings(**overrides)
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -947,3 +979,5 @@ def load_settings(
                 shown = "***" if _secret_key(key) else repr(err.get("input"))
                 problems.append(f"setting '{key}': {err['msg']} (got {shown})")
         raise SettingsError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+    finally:
+        _loading.reset(token)
