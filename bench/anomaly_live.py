@@ -5,7 +5,7 @@ Apache Kafka, the bridge, every stream) on the example sensor fleet at its own r
 (``examples/sensor.toml``: 200 readings/s over 100 devices, one reading per device every 0.5 s)
 in a fresh data root, until gold has scored ``--minutes`` of event time. The simulator's faults
 (``ingest.simulator.faults``: spike, level shift, stuck value, drift, dropout) begin after
-``--warmup-minutes`` (the detectors learn their first ~100 readings per key), their ground truth
+``--warmup-minutes`` (the detector learns its first 500 readings per key before it flags), their ground truth
 in ``<root>/faults.jsonl``. Then, from gold's ``anomalies`` (delta-rs):
 
 - a fault is **recalled** when an anomaly row of its device and metric has an event time in
@@ -65,8 +65,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the run's data root (its path on stderr)")
     args = ap.parse_args()
     if args.smoke:
-        args.rate, args.devices, args.anomalies = 50, 10, 0.5
-        args.minutes, args.warmup_minutes, args.anomaly_length, args.grace_seconds = 1.6, 0.5, 30, 10
+        # 5 faulted devices: one fault of each kind in the first slot (warm-up 150 readings, the
+        # last fault's end + grace ~29 s of event time after the start); 10 readings/s per device,
+        # so event time covers that in half a minute of the clock
+        args.rate, args.devices, args.anomalies = 100, 10, 0.5
+        args.minutes, args.warmup_minutes, args.anomaly_length, args.grace_seconds = 0.55, 0.25, 30, 5
     if args.minutes <= args.warmup_minutes:
         ap.error(f"--minutes ({args.minutes:g}) includes --warmup-minutes ({args.warmup_minutes:g}): "
                  f"give more, e.g. --minutes {args.warmup_minutes + 5:g}")
@@ -183,7 +186,7 @@ def _wait(pred, timeout: float, what: str, root: Path, child: subprocess.Popen) 
                 return
         except (OSError, ValueError, TypeError):  # a table mid-creation
             pass
-        time.sleep(5.0)
+        time.sleep(1.0)
     log = (root / "run.log").read_text(errors="replace")[-3000:] if (root / "run.log").exists() else ""
     raise SystemExit(f"timed out waiting for {what} (iotlake run exit code {child.poll()})\n{log}")
 

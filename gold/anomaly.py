@@ -1,80 +1,65 @@
 """Streaming, unsupervised anomaly scoring of one device's metric (gold layer).
 
-One detector instance per ``(device_id, metric)`` key; its whole memory is a :class:`DetectorState`
-that flattens to a tuple of floats (a Spark state struct), so ``score_batch`` can run inside
-``applyInPandasWithState`` / ``transformWithStateInPandas`` on micro-batches of any size. The
-state is updated reading by reading in event-time order, so scoring a series in one call or in
-any split into chunks gives bit-identical results.
+One detector per ``(device_id, metric)`` key; its whole memory is a flat row of 162 floats (a
+Spark state struct, 1,296 bytes), updated reading by reading in event-time order, so scoring a
+series in one call or in any split into micro-batches gives bit-identical results.
 
-Method: an ensemble (max) of normalised surprises, each >= 1 meaning "anomalous". Local views
-(robust, per time of day) know this key's recent shape; wide views know how far it may roam;
-the likelihood view knows how surprised it usually is. One view alone misses what another sees.
+**Method: forecasts judged against their own tails, at an alarm budget per day.** Each part is
+a published idea with its published setting, or a stated principle (:data:`DESIGN_CHOICES`);
+none was set by a score on labelled data (docs/anomaly.md keeps the evidence).
 
-- **fast** (spikes, dips, sudden level shifts): the reading against a robust EWMA level ``L``
-  (Huber-clipped updates), divided by the larger of ``k_fast`` x a robust scale and
-  ``tail_factor`` x a tracked 98% residual quantile. Scales are asymmetric (up/down separately)
-  and there is a per-time-of-day scale as well: a series whose normal life contains big upward
-  spikes (CPU bursts, load-balancer peaks) or a daily on/off switch learns that those are
-  normal, and still notices an unusual *drop*. After ``shift_readings`` consecutive same-sign
-  exceedances the level (and the slow baseline) re-baselines to the new value: a level shift is
-  reported once, then it is the new normal. Gated (``fast_gate``): the deviation must also
-  exceed the wide view's tracked 99.5% quantile of this key's deviations (below), so a spike no
-  larger than the key's usual bursts is not flagged, however calm the last hours were.
-- **slow** (drifts, contextual / seasonal anomalies): a smoother robust level ``M`` against a slow
-  baseline plus a time-of-day profile (``season_bins`` bins over ``season_period`` seconds,
-  linearly interpolated), in units of its own robust scale (global and per bin): a gradual
-  slide the fast model follows, a value ordinary in itself but wrong for the time of day.
-- **flat-line**: a run of identical readings longer than ``flat_min_run`` and twice the longest
-  run seen recently (learnt, so series that idle at exactly 0 are not flagged), in a series
-  that normally moves.
-- **wide**: the reading against an EWMA mean and variance with a long memory (``wide_alpha``,
-  ~3000 readings), beyond ``wide_k`` standard deviations *and* ``wide_tail_k`` x a tracked
-  99.5% quantile of its own deviations, so a bursty series (tweet volumes) must beat its own
-  bursts. The robust local views adapt to a slow change; this one does not.
-- **short / long** (multi-scale): the reading averaged over ~5 (``short_alpha``) and ~50
-  (``long_alpha``) readings against the same wide mean, in wide standard deviations: a
-  sustained shift too small for any single reading to stand out. The short view is gated
-  like the wide one (``short_tail_k``): beyond a tracked 99.5% quantile of its own deviations,
-  so a key whose bursts last a few readings must beat its own bursts there too.
-- **likelihood** (as in HTM's anomaly likelihood): the views' surprise (the wide one ungated,
-  capped at ``lik_cap``) averaged over ~5 readings, against its own long EWMA mean and
-  variance: ``lik_k`` standard deviations above its usual level flags. A series that is never
-  surprised gets sensitive; one that always is, does not.
+1. **Seven forecasts.** Exponential smoothing (Brown 1956) at six time scales: the previous
+   reading and the mean of about the last 4, 16, 64, 256 and 1,024 readings (:data:`SCALES`,
+   powers of 4: scale-free, to ~3.5 days at 5-minute readings); and a **daily profile**, the
+   value at this half hour of the day over about a week (once that half hour has been seen
+   whole). A series that wanders (a random walk) is predictable at the short scales; one that
+   holds a level, at the long ones, which see a lasting shift for as long as their scale; one
+   with a daily cycle, by its profile, which sees a missing peak.
+2. **Surprise per forecast**: the reading's distance from it in units of that forecast's typical
+   error (mean absolute error x 1.2533, the Gaussian standard deviation), learnt over
+   ``memory`` readings; errors beyond the forecast's alarm boundary are clipped when learning,
+   so an anomaly does not teach itself to be normal.
+3. **Each forecast's own tail** (peaks over threshold, SPOT: Siffer et al., KDD 2017): its
+   surprise beyond a tracked ``tail_quantile`` (98%, SPOT's) is an excess; a generalised Pareto
+   fitted to the excesses by moments gives the surprise exceeded with probability ``q``; the
+   readings a forecast calls anomalous are not learnt by its tail (SPOT's rule). The shape is
+   kept in [0, 0.45]: never a bounded tail, finite variance; a young key's is assumed heavy
+   (weighing as five excesses, half the warm-up's) until its excesses show otherwise; and the boundary is never
+   nearer the tail quantile than a Gaussian's would be (a lattice of surprises, as from
+   integer readings, fits a degenerate tail).
+4. **An alarm budget in time**: ``false_alarms_per_day`` per key (0.1: one per device-day at
+   ten metrics), shared by the seven forecasts and the stuck test (Bonferroni:
+   ``q = budget x interval / 1 day / 8``), the interval between readings learnt from the event
+   times. An operator's tolerance is per day, not per reading: a key read four times a second
+   gets a ~1,000x smaller ``q`` than one read every five minutes.
+5. **Stuck values**: a run of identical readings, as improbable as this key's own runs make it:
+   the chance that a reading repeats the last one, times the share of its finished runs that
+   reached this length (counted by length class 1, 2, 4, ... 4,096; one run of prior mass
+   spread as ``0.5^(k - 1)``); beyond the longest class seen, a run goes on as a memoryless one
+   that reaches that class as often. A run flags once that probability falls below ``q``; a
+   flagged run is not learnt; a key that has never changed is constant, not stuck.
+
+``score = r^2 / (1 + r^2)``, ``r`` the largest of each forecast's surprise over its boundary
+and the stuck run's ``log P / log q``: 0.5 at the boundary; 0 until ``warmup`` readings are
+learnt (ten expected excesses: ``10 / (1 - tail_quantile)`` = 500). A flag needs ``score >=
+threshold`` and ``cooldown`` readings below the threshold before it: one flag per episode.
+``score_lanes(..., explain=True)`` names the model that explains each score (:data:`MODELS`:
+``mean_16`` is "the mean of about the last 16 readings", ``flat`` a stuck value) and the range
+it expected.
 
 **Count scale** (``count_scale``): a key whose readings are all non-negative integers through
-its warm-up (event counts: tweets, requests, errors) is scored on Anscombe's scale
-``2 sqrt(x + 3/8)``, where Poisson noise has a standard deviation of about 1 at any level, so a
-burst at a busy hour and one at a quiet hour are weighed alike. Every view works on that scale;
-the expected value and range are reported back in the reading's units. A key that sends
-anything else (a fraction, a negative) during its warm-up forgets what it learnt and starts on
-the raw scale from that reading (nothing is flagged during the warm-up, so nothing is lost).
+its warm-up (event counts) is scored on Anscombe's scale ``2 sqrt(x + 3/8)``, where Poisson
+noise has a standard deviation of about 1 at any level; expected values and ranges are
+reported in the reading's units. A key that sends anything else during its warm-up starts
+again on the raw scale from that reading (nothing was flagged yet, so nothing is lost).
 
-The local views flag at ``local_margin`` / ``slow_margin`` / ``flat_margin`` x their own
-boundaries (the wide views do most of the flagging). Scales of a local model stop learning
-while it says "anomalous" (so a long anomaly does not teach itself to be normal), except the
-per-bin ones (so what recurs daily becomes normal). A slow deviation that lasts
-``accept_after`` readings (net) becomes the new normal.
-``score = z^2 / (1 + z^2)`` with ``z`` the largest surprise: 0.5 at the detection boundary.
-A flag needs ``score >= threshold`` and ``cooldown`` readings below the threshold before it:
-one flag per anomalous episode, which keeps detections sparse (NAB charges every false one).
-The price: while an episode lasts a second, different anomaly on the same key is not flagged,
-though its score is still reported; a lasting level shift of many standard deviations stays
-one episode until the wide mean has moved to it (~550 readings for 10 sigma).
-``score_lanes(..., explain=True)`` also says which view explains each score (:data:`MODELS`)
-and the range that view expected.
+State rows of the previous method (versions 1-4) hold nothing this one can continue from:
+:func:`upgrade_rows` turns them into new keys, which learn for ``warmup`` readings before they
+flag again.
 
-Why this method, how the defaults were chosen (a leave-one-category-out check on NAB), the
-figures and the known misses: docs/anomaly.md.
-
-State: 30 scalars + 4 x ``season_bins`` floats (222 doubles, 1,776 bytes per key with the
-defaults). Version-1 rows (before the wide and likelihood views), version-2 rows (before the
-short view's tail quantiles) and version-3 rows (before the count scale; they stay on the raw
-scale) upgrade in place (:func:`upgrade_rows`), without a new warm-up.
-
-The recursion is one numba kernel over that flat row (``cache=True``: compiled once per machine,
-then ~0.25 s to load per process); :func:`score_lanes` runs it over many keys in one call, as
-the health stream does per bucket, since a Python loop over keys cost more than the scoring
-(:func:`score_lanes_at`: on the states where the caller holds them, updated in place).
+The recursion is one numba kernel over the flat rows (``cache=True``: compiled once per
+machine); :func:`score_lanes` runs it over many keys in one call, as the health stream does per
+bucket (:func:`score_lanes_at`: on the states where the caller holds them, updated in place).
 """
 
 from __future__ import annotations
@@ -89,92 +74,64 @@ from functools import lru_cache
 import numba
 import numpy as np
 
-STATE_VERSION = 4.0
+STATE_VERSION = 5.0
 
+#: The forecasts' time scales, in readings.
+SCALES: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
 
-#: ``model`` codes of ``score_lanes(..., explain=True)``: the view that explains a score.
-MODELS: tuple[str, ...] = ("none", "fast", "slow", "flat", "wide", "short", "long", "likelihood")
+#: ``model`` codes of ``score_lanes(..., explain=True)``: the model that explains a score.
+MODELS: tuple[str, ...] = ("none", "previous", *(f"mean_{h}" for h in SCALES[1:]), "daily", "flat")
+_DAILY = len(MODELS) - 2
+_FLAT = len(MODELS) - 1
+#: The daily profile's bins (half an hour each) and how many days it remembers (a week: weekdays
+#: and weekends alike).
+DAY_BINS, PROFILE_DAYS = 48, 7.0
+
+_MAX_SHAPE, _YOUNG_TAIL, _FIRST_LEARNT = 0.45, 5.0, 16.0
+#: "never hot": the readings-since counter stops here, where float64 still counts exactly
+_SINCE_MAX = 1e15
+
+#: Every value the method fixes beside :class:`DetectorConfig`, with the principle that set it
+#: (none was set by a score on labelled data); ``bench/anomaly_quality.py`` counts them.
+DESIGN_CHOICES: dict[str, tuple[float, str]] = {
+    "scale_factor": (4, "forecast scales in powers of 4: scale-free, six cover 1 to ~1,000 readings"),
+    "scales": (len(SCALES), "from the previous reading to ~3.5 days at 5-minute readings"),
+    "day_bins": (DAY_BINS, "the daily profile's resolution: half an hour"),
+    "profile_days": (PROFILE_DAYS, "the profile remembers a week: weekdays and weekends alike"),
+    "max_shape": (_MAX_SHAPE, "a generalised Pareto tail with finite variance (shape < 0.5)"),
+    "young_tail_weight": (_YOUNG_TAIL, "a new key's tail is assumed heavy, weighing as five excesses: half the warm-up's ten"),
+    "first_learnt": (_FIRST_LEARNT, "a tail or the daily model's error is learnt from 16 readings on"),
+}
 
 
 @dataclass(frozen=True)
 class DetectorConfig:
     """One configuration for every device and metric (no per-series tuning)."""
 
-    threshold: float = 0.5  # flag when score >= threshold; 0.5 = each model's own boundary
-    cooldown: int = 96  # readings below threshold needed before the next flag (one per episode)
-    warmup: int = 100  # readings learnt before any flag
-    k_fast: float = 8.0  # fast boundary, in robust (mean absolute deviation) units
-    k_slow: float = 4.0  # slow/seasonal boundary, in its own robust units
-    tail_factor: float = 2.0  # fast boundary >= tail_factor x the 98% residual quantile
-    tail_quantile: float = 0.98
-    tail_rate: float = 0.002  # quantile tracker: relative decay per reading
-    slow_floor: float = 0.25  # slow boundary >= slow_floor x fast boundary
-    level_alpha: float = 0.3  # fast level EWMA weight
-    mid_alpha: float = 0.05  # the slow model watches this smoother robust level (~20 readings)
-    scale_alpha: float = 0.01  # fast scale EWMA weight
-    baseline_alpha: float = 0.002  # slow baseline EWMA weight (~500 readings)
-    slow_scale_alpha: float = 0.005
-    season_bins: int = 48
-    season_period: float = 86400.0  # seconds
-    season_alpha: float = 0.05  # per-bin learning rate (per visit)
-    season_scale_alpha: float = 0.05
-    season_early_visits: float = 2.0  # first visits of a bin learn unclipped
-    huber_c: float = 3.0  # residuals clipped at huber_c x scale when learning
-    shift_readings: int = 6  # consecutive same-sign fast exceedances = level shift
-    accept_after: int = 288  # net same-sign slow exceedances = new normal (re-baseline)
-    flat_min_run: int = 12  # identical readings before a flat-line can be flagged
-    flat_factor: float = 2.0  # ... and more than flat_factor x the longest recent run
-    flat_decay: float = 0.999  # per-reading decay of the remembered longest run
-    scale_floor: float = 1e-6  # relative floor of every scale: 1e-6 x (1 + |x|)
-    local_margin: float = 2.0  # the fast model flags at local_margin x its own boundary, ...
-    slow_margin: float = 1.5  # ... the slow one at slow_margin x its own, ...
-    flat_margin: float = 2.5  # ... the flat-line one at flat_margin x its own
-    wide_alpha: float = 1.0 / 3000  # wide view: EWMA mean/variance of the raw value
-    wide_k: float = 6.0  # raw reading vs the wide mean, in wide standard deviations, and ...
-    wide_tail_k: float = 2.0  # ... in units of a tracked tail quantile of |reading - wide mean|
-    wide_tail_quantile: float = 0.995
-    wide_tail_rate: float = 0.0005  # quantile tracker: relative decay per reading
-    short_alpha: float = 0.2  # short-smoothed value (~5 readings) vs the wide mean ...
-    short_k: float = 3.5  # ... in wide standard deviations
-    long_alpha: float = 0.02  # long-smoothed value (~50 readings) vs the wide mean ...
-    long_k: float = 2.0  # ... in wide standard deviations
-    wide_season: float = 1.0  # weight of the time-of-day profile taken off before the wide views
-    lik_cap: float = 2.0  # likelihood view: the views' surprise, capped at lik_cap, ...
-    lik_short_alpha: float = 0.2  # ... averaged over ~5 readings, ...
-    lik_alpha: float = 1.0 / 3000  # ... against its own EWMA mean and variance ...
-    lik_k: float = 6.0  # ... flags lik_k standard deviations above its mean
-    fast_gate: float = 1.0  # the fast view also needs fast_gate x the wide view's tail quantile
-    short_tail_k: float = 1.0  # the short view also needs short_tail_k x its own tail quantile
-    count_scale: bool = True  # a key whose warm-up readings are all non-negative integers
-    # (counts) is scored on the Anscombe scale 2 sqrt(x + 3/8), where Poisson noise has sd ~1
+    threshold: float = 0.5  # flag when score >= threshold; 0.5 = the alarm boundary
+    false_alarms_per_day: float = 0.1  # the alarm budget per key, in time
+    memory: int = 4096  # readings the typical errors, the tail and the runs are learnt over
+    tail_quantile: float = 0.98  # SPOT's: excesses above this quantile of z fit the tail
+    cooldown: int = 64  # readings below the threshold before a new episode can flag
+    count_scale: bool = True  # non-negative integer keys on Anscombe's scale
+
+    @property
+    def warmup(self) -> int:
+        """Readings learnt before any flag: ten expected excesses for the tail fit."""
+        return math.ceil(10.0 / (1.0 - self.tail_quantile))
 
     def __post_init__(self) -> None:
         problems = []
         if not 0.0 < self.threshold < 1.0:
             problems.append("threshold must be in (0, 1)")
-        for name in ("cooldown", "warmup", "shift_readings", "accept_after", "flat_min_run"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0")
-        if self.season_bins < 1:
-            problems.append("season_bins must be >= 1")
-        if self.season_period <= 0:
-            problems.append("season_period must be > 0 seconds")
-        for name in ("tail_quantile", "wide_tail_quantile"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                problems.append(f"{name} must be in (0, 1)")
-        for name in ("level_alpha", "mid_alpha", "scale_alpha", "baseline_alpha", "slow_scale_alpha",
-                     "season_alpha", "season_scale_alpha", "tail_rate", "wide_alpha", "short_alpha",
-                     "long_alpha", "lik_short_alpha", "lik_alpha", "wide_tail_rate"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                problems.append(f"{name} must be in (0, 1]")
-        for name in ("k_fast", "k_slow", "huber_c", "flat_factor", "local_margin", "slow_margin",
-                     "flat_margin", "wide_k",
-                     "short_k", "long_k", "lik_cap", "lik_k", "wide_tail_k"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be > 0")
-        for name in ("fast_gate", "short_tail_k"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0 (0 = off)")
+        if not self.false_alarms_per_day > 0.0:
+            problems.append("false_alarms_per_day must be > 0")
+        if self.memory < 4 * SCALES[-1]:
+            problems.append(f"memory must be >= {4 * SCALES[-1]} readings (4 x the longest scale)")
+        if not 0.5 <= self.tail_quantile < 1.0:
+            problems.append("tail_quantile must be in [0.5, 1)")
+        if self.cooldown < 0:
+            problems.append("cooldown must be >= 0")
         if problems:
             raise ValueError("invalid DetectorConfig: " + "; ".join(problems))
 
@@ -182,38 +139,45 @@ class DetectorConfig:
 _SCALARS: tuple[str, ...] = (
     "version",  # state layout version
     "n",  # readings learnt
-    "x_last",  # previous reading (flat-line runs)
-    "level",  # fast robust level L
-    "mid_level",  # smoother robust level M (input of the slow model)
-    "fast_up", "fast_dn",  # fast robust scales (mean absolute deviation, up / down)
-    "tail_up", "tail_dn",  # fast residual tail quantiles (up / down)
-    "baseline",  # slow baseline B (without the time-of-day profile)
-    "slow_up", "slow_dn",  # slow robust scales
-    "run",  # current run of identical readings
-    "run_max",  # longest recent run (decayed)
+    "x_last",  # previous reading (on the scored scale)
+    "last_time",  # event time of the last reading (epoch s)
     "since",  # readings below threshold since the last one at/above it
-    "streak",  # signed count of consecutive fast exceedances (+ up, - down)
-    "slow_streak",  # signed count of slow exceedances (eroded by readings back inside)
-    "last_time",  # event time of the last reading (epoch s), informational
-    "wide_mean", "wide_var",  # wide view: EWMA mean and variance of the raw value
-    "short_mean", "long_mean",  # short- and long-smoothed value
-    "lik_short", "lik_mean", "lik_var",  # likelihood view: short mean of the surprise, its stats
-    "wide_tail_up", "wide_tail_dn",  # wide view: tail quantiles of reading - wide mean
-    "short_tail_up", "short_tail_dn",  # short view: tail quantiles of short mean - wide mean
     "counts",  # 1: scored on the count scale (every warm-up reading a non-negative integer)
+    "interval",  # typical seconds between readings (the alarm budget's clock)
+    "run",  # repeats of the current value so far
+    "run_hot",  # 1: the current run was flagged (it will not be learnt)
+    "starts",  # decayed count of readings that repeated the one before (outside runs) ...
+    "trials",  # ... out of this many
+    "daily_error", "daily_n",  # the daily profile's typical |error|, over this many readings
 )
-_ARRAYS: tuple[str, ...] = ("season", "season_visits", "bin_scale_fast", "bin_scale_slow")
+#: The models that forecast a value (all but ``none`` and ``flat``): each has its own tail.
+_VALUE_MODELS: tuple[str, ...] = MODELS[1:-1]
+#: finished runs are counted by length class: ``runs_ge_L``, the decayed count of runs of at
+#: least L repeats, L = 1, 2, 4, ..., 4096
+RUN_CLASSES: tuple[int, ...] = tuple(2 ** b for b in range(13))
+#: the row's arrays after the scalars: (name, element names)
+_ROW_ARRAYS: tuple[tuple[str, tuple], ...] = (
+    ("forecast", SCALES),  # the forecast per scale ...
+    ("error", SCALES),  # ... and its typical |error|
+    ("tail_u", _VALUE_MODELS),  # per model: the tracked tail_quantile of its surprise, ...
+    ("excess_m1", _VALUE_MODELS),  # ... the first and second moments of its excesses ...
+    ("excess_m2", _VALUE_MODELS),
+    ("excesses", _VALUE_MODELS),  # ... over this many
+    ("runs_ge", RUN_CLASSES),
+    ("daily", range(DAY_BINS)),  # the daily profile, per half hour ...
+    ("daily_seen", range(DAY_BINS)),  # ... and the readings each has learnt
+)
 
 
 def state_fields(config: DetectorConfig | None = None) -> list[tuple[str, str]]:
     """(name, type) of each element of ``DetectorState.to_row()``: all ``double``."""
-    k = (config or DetectorConfig()).season_bins
-    names = list(_SCALARS) + [f"{a}_{i}" for a in _ARRAYS for i in range(k)]
+    names = list(_SCALARS) + [f"{a}_{e}" for a, elements in _ROW_ARRAYS for e in elements]
     return [(name, "double") for name in names]
 
 
 #: State fields for the default configuration (a Spark state struct of doubles).
 STATE_FIELDS: list[tuple[str, str]] = state_fields()
+_WIDTH = len(STATE_FIELDS)
 
 
 def state_schema_ddl(config: DetectorConfig | None = None) -> str:
@@ -227,61 +191,35 @@ class DetectorState:
 
     n: float = 0.0
     x_last: float = 0.0
-    level: float = 0.0
-    mid_level: float = 0.0
-    fast_up: float = 0.0
-    fast_dn: float = 0.0
-    tail_up: float = 0.0
-    tail_dn: float = 0.0
-    baseline: float = 0.0
-    slow_up: float = 0.0
-    slow_dn: float = 0.0
-    run: float = 0.0
-    run_max: float = 0.0
-    since: float = 1e18
-    streak: float = 0.0
-    slow_streak: float = 0.0
     last_time: float = float("nan")
-    wide_mean: float = 0.0
-    wide_var: float = 0.0
-    short_mean: float = 0.0
-    long_mean: float = 0.0
-    lik_short: float = 0.0
-    lik_mean: float = 0.0
-    lik_var: float = 0.0
-    wide_tail_up: float = 0.0
-    wide_tail_dn: float = 0.0
-    short_tail_up: float = 0.0
-    short_tail_dn: float = 0.0
+    since: float = _SINCE_MAX
     counts: float = 1.0
-    season: list[float] = field(default_factory=list)
-    season_visits: list[float] = field(default_factory=list)
-    bin_scale_fast: list[float] = field(default_factory=list)
-    bin_scale_slow: list[float] = field(default_factory=list)
+    interval: float = 0.0
+    run: float = 0.0
+    run_hot: float = 0.0
+    starts: float = 0.0
+    trials: float = 0.0
+    daily_error: float = 0.0
+    daily_n: float = 0.0
+    arrays: dict[str, list[float]] = field(default_factory=lambda: {
+        a: [0.0] * len(elements) for a, elements in _ROW_ARRAYS})
 
     def to_row(self) -> tuple[float, ...]:
         """Flat tuple of floats in ``state_fields()`` order."""
         head = (STATE_VERSION,) + tuple(float(getattr(self, n)) for n in _SCALARS[1:])
-        return head + tuple(float(v) for a in _ARRAYS for v in getattr(self, a))
+        return head + tuple(float(v) for a, _ in _ROW_ARRAYS for v in self.arrays[a])
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> DetectorState:
-        """Inverse of :meth:`to_row` (the number of bins follows from the row's length)."""
+        """Inverse of :meth:`to_row`; a row of an older version loads as a new key."""
         row = [float(v) for v in row]
-        for version, scalars in ((1.0, _V1_SCALARS), (2.0, _V2_SCALARS), (3.0, _V3_SCALARS)):
-            if row and row[0] == version and (len(row) - scalars) % len(_ARRAYS) == 0:
-                k1 = (len(row) - scalars) // len(_ARRAYS)
-                row = upgrade_rows([row], DetectorConfig(season_bins=k1))[0].tolist()
-                break
-        ns = len(_SCALARS)
-        if len(row) < ns or (len(row) - ns) % len(_ARRAYS):
-            raise ValueError(f"state row of {len(row)} values does not match the layout")
-        if row[0] != STATE_VERSION:
-            raise ValueError(f"state version {row[0]} is not {STATE_VERSION}")
-        k = (len(row) - ns) // len(_ARRAYS)
+        if len(row) != _WIDTH or row[0] != STATE_VERSION:
+            row = upgrade_rows([row])[0].tolist()
         st = cls(**{name: row[i] for i, name in enumerate(_SCALARS) if name != "version"})
-        for j, a in enumerate(_ARRAYS):
-            setattr(st, a, row[ns + j * k: ns + (j + 1) * k])
+        at = len(_SCALARS)
+        for a, elements in _ROW_ARRAYS:
+            st.arrays[a] = row[at:at + len(elements)]
+            at += len(elements)
         return st
 
     def copy(self) -> DetectorState:
@@ -290,55 +228,23 @@ class DetectorState:
 
 def initial_state(config: DetectorConfig | None = None) -> DetectorState:
     """State of a key never seen before."""
-    k = (config or DetectorConfig()).season_bins
-    return DetectorState(season=[0.0] * k, season_visits=[0.0] * k,
-                         bin_scale_fast=[0.0] * k, bin_scale_slow=[0.0] * k)
-
-
-#: Scalars of state versions 1, 2 and 3 (the rest of ``_SCALARS`` were added by later versions).
-_V1_SCALARS = 18
-_V2_SCALARS = 27
-_V3_SCALARS = 29
+    return DetectorState()
 
 
 def upgrade_rows(rows: np.ndarray, config: DetectorConfig | None = None) -> np.ndarray:
-    """State rows of an older layout (version 1, 2 or 3) as rows of this one, without re-warm-up.
+    """State rows of an older layout as rows of this one.
 
-    The views added since start conservatively: the wide view from the level, fast scale and
-    time-of-day profile, the likelihood view with a wide variance (it calms down as it learns)
-    (version 1); the short view's tail quantiles from the wide view's, which are wider than
-    the short mean's own, so the short view is quieter until they have decayed (version 2; a
-    version-1 row has no wide tails yet, so both are learnt from the next readings, as for a
-    new key); a version-3 row was learnt on the raw scale and stays there (``counts`` 0), so
-    its key goes on exactly as before.
-    Rows already at this version pass through.
-    """
+    Versions 1-4 were another method (robust local views, a time-of-day profile, wide views):
+    nothing of theirs is a forecast per scale or a tail of this method's surprise, so their
+    keys start as new ones and learn for ``warmup`` readings. Rows already at this version pass
+    through; anything else is refused."""
     rows = np.array(rows, dtype=np.float64, ndmin=2)
-    k = (config or DetectorConfig()).season_bins
-    if rows.shape[1] == len(_SCALARS) + len(_ARRAYS) * k and np.all(rows[:, 0] == STATE_VERSION):
+    if rows.shape[1] == _WIDTH and np.all(rows[:, 0] == STATE_VERSION):
         return rows
-    cfg = config or DetectorConfig()
-    if rows.shape[1] == _V1_SCALARS + len(_ARRAYS) * k and np.all(rows[:, 0] == 1.0):
-        season = rows[:, _V1_SCALARS:_V1_SCALARS + k]
-        f_up, f_dn, base = rows[:, 5], rows[:, 6], rows[:, 9]
-        kept = 1.0 - cfg.wide_season  # the share of the daily profile the wide views see
-        wide_mean = base + kept * season.mean(axis=1)
-        wide_var = (0.625 * (f_up + f_dn)) ** 2 + kept ** 2 * season.var(axis=1)
-        z = np.zeros(len(rows))
-        added = np.column_stack([wide_mean, wide_var, wide_mean, wide_mean, z, z, z + 1.0, z, z])
-        rows = np.hstack([rows[:, :_V1_SCALARS], added, rows[:, _V1_SCALARS:]])
-        rows[:, 0] = 2.0
-    if rows.shape[1] == _V2_SCALARS + len(_ARRAYS) * k and np.all(rows[:, 0] == 2.0):
-        wt_up, wt_dn = rows[:, 25], rows[:, 26]  # version 1 rows: 0, learnt from the next reading
-        rows = np.hstack([rows[:, :_V2_SCALARS], np.column_stack([wt_up, wt_dn]),
-                          rows[:, _V2_SCALARS:]])
-        rows[:, 0] = 3.0
-    if rows.shape[1] != _V3_SCALARS + len(_ARRAYS) * k or np.any(rows[:, 0] != 3.0):
-        raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1, 2, 3 nor "
-                         f"{STATE_VERSION} with {k} season bins")
-    out = np.hstack([rows[:, :_V3_SCALARS], np.zeros((len(rows), 1)), rows[:, _V3_SCALARS:]])
-    out[:, 0] = STATE_VERSION
-    return out
+    if rows.size and np.all(np.isin(rows[:, 0], (1.0, 2.0, 3.0, 4.0))):
+        return initial_rows(len(rows), config)
+    raise ValueError(f"state rows of {rows.shape[1]} values are neither version 1-4 nor "
+                     f"{STATE_VERSION} ({_WIDTH} values)")
 
 
 def initial_rows(lanes: int, config: DetectorConfig | None = None) -> np.ndarray:
@@ -348,22 +254,10 @@ def initial_rows(lanes: int, config: DetectorConfig | None = None) -> np.ndarray
 
 @lru_cache(maxsize=32)
 def _params(cfg: DetectorConfig) -> tuple[float, ...]:
-    """The configuration as the kernel's flat tuple of floats (derived constants included)."""
-    q_dn = 1.0 - cfg.tail_rate
-    q_up = 1.0 + cfg.tail_rate * (1.0 + cfg.tail_quantile) / (1.0 - cfg.tail_quantile)
-    wq = cfg.wide_tail_quantile
-    wq_dn = 1.0 - cfg.wide_tail_rate
-    wq_up = 1.0 + cfg.wide_tail_rate * (1.0 + wq) / (1.0 - wq)
-    return tuple(float(v) for v in (
-        cfg.threshold, cfg.cooldown, cfg.warmup, cfg.k_fast, cfg.k_slow, cfg.tail_factor,
-        cfg.slow_floor, cfg.level_alpha, cfg.mid_alpha, cfg.scale_alpha, cfg.baseline_alpha,
-        cfg.slow_scale_alpha, cfg.season_period, cfg.season_alpha, cfg.season_scale_alpha,
-        cfg.season_early_visits, cfg.huber_c, q_dn, q_up, cfg.shift_readings, cfg.accept_after,
-        cfg.flat_min_run, cfg.flat_factor, cfg.flat_decay, cfg.scale_floor, 1.0 / cfg.local_margin,
-        1.0 / cfg.slow_margin, 1.0 / cfg.flat_margin,
-        cfg.wide_alpha, cfg.wide_k, cfg.short_alpha, cfg.short_k, cfg.long_alpha, cfg.long_k, cfg.wide_season, cfg.lik_cap, cfg.lik_short_alpha, cfg.lik_alpha,
-        cfg.lik_k, cfg.wide_tail_k, wq_dn, wq_up, cfg.fast_gate, cfg.short_tail_k,
-        1.0 if cfg.count_scale else 0.0))
+    """The configuration as the kernel's flat tuple of floats."""
+    return (float(cfg.threshold), float(cfg.false_alarms_per_day), float(cfg.memory),
+            float(cfg.tail_quantile), float(cfg.cooldown), float(cfg.warmup),
+            1.0 if cfg.count_scale else 0.0)
 
 
 def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, states: np.ndarray,
@@ -376,8 +270,8 @@ def score_lanes(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, stat
     is exactly :func:`score_batch`: one call per micro-batch instead of one per key is what
     makes per-key scoring cheap. Returns ``(scores, baselines, flags, n_before, new_states)``:
     ``n_before`` is the count of readings the lane had learnt before each reading; ``states``
-    is not modified. With ``explain``, also ``(model, low, high)`` per reading: which view was
-    the most surprised (:data:`MODELS`) and the range it expected (NaN for the flat-line view).
+    is not modified. With ``explain``, also ``(model, low, high)`` per reading: which model was
+    the most surprised (:data:`MODELS`) and the range it expected (NaN for ``flat``).
     """
     st = np.array(states, dtype=np.float64, order="C", ndmin=2)  # a copy: updated in place
     out = score_lanes_at(values, times, offsets, st, np.arange(st.shape[0]), config)
@@ -408,13 +302,12 @@ def score_lanes_at(values: np.ndarray, times: np.ndarray, offsets: np.ndarray, s
         raise ValueError("offsets must rise from 0 to len(values), one more than the lanes")
     if at.size and (at.min() < 0 or at.max() >= states.shape[0] or np.unique(at).size != at.size):
         raise ValueError("rows must be distinct rows of states, one per lane")
-    k = (states.shape[1] - len(_SCALARS)) // len(_ARRAYS)
-    if states.shape[1] != len(_SCALARS) + len(_ARRAYS) * k or k != cfg.season_bins:
+    if states.shape[1] != _WIDTH:
         raise ValueError(f"state rows of {states.shape[1]} values do not match the layout "
-                         f"({cfg.season_bins} season bins)")
+                         f"({_WIDTH} values; older versions: upgrade_rows)")
     if np.any(states[at, 0] != STATE_VERSION):
         raise ValueError(f"state version is not {STATE_VERSION}")
-    return _kernel(x, t, offs, states, at, k, _params(cfg))
+    return _kernel(x, t, offs, states, at, np.asarray(SCALES, dtype=np.float64), _params(cfg))
 
 
 def score_batch(values: np.ndarray, times: np.ndarray, state: DetectorState | None,
@@ -423,14 +316,12 @@ def score_batch(values: np.ndarray, times: np.ndarray, state: DetectorState | No
     """Score readings (event-time order) of one (device, metric) and advance its state.
 
     Returns ``(scores in [0, 1], baselines, flags, new_state)``; ``baselines`` is the value the
-    reading was compared against (fast level, or slow baseline + time-of-day profile, whichever
-    found it more surprising). NaN readings get score 0, no flag, a NaN baseline and leave the
-    state untouched. The input state is not modified. One lane of :func:`score_lanes`.
+    reading was compared against (the forecast of the most surprised scale, or the stuck
+    value). NaN readings get score 0, no flag, a NaN baseline and leave the state untouched.
+    The input state is not modified. One lane of :func:`score_lanes`.
     """
     cfg = config or DetectorConfig()
     st = initial_state(cfg) if state is None else state
-    if len(st.season) != cfg.season_bins:
-        raise ValueError(f"state has {len(st.season)} season bins, config {cfg.season_bins}")
     x = np.asarray(values, dtype=np.float64).ravel()
     scores, baselines, flags, _, rows = score_lanes(x, times, [0, x.size], [st.to_row()], cfg)
     return scores, baselines, flags, DetectorState.from_row(rows[0].tolist())
@@ -455,6 +346,8 @@ def _njit_cached(fn):
 
 _C0 = 2.0 * math.sqrt(0.375)  # the count scale of a zero reading
 _C1 = math.sqrt(0.375)  # its slope there is 1 / _C1
+_SD = math.sqrt(math.pi / 2.0)  # Gaussian standard deviation per mean absolute deviation
+_DAY = 86400.0
 
 
 @_njit_cached
@@ -471,24 +364,58 @@ def _from_count_scale(y):
 
 
 @_njit_cached
-def _tail(q, d, grow, decay):
-    """A tracked tail quantile of one side's deviations: ``d`` beyond it raises it (by at most
-    ``grow`` x), anything else lets it decay."""
-    if d > q:
-        return (d if d < q * grow else q * grow) if q > 0.0 else d
-    return q * decay
+def _gauss_quantile(q):
+    """|z| a standard Gaussian exceeds with probability ``q`` (both sides; Abramowitz and
+    Stegun 26.2.23, error < 5e-4)."""
+    t = math.sqrt(-2.0 * math.log(0.5 * q))
+    return t - (2.515517 + 0.802853 * t + 0.010328 * t * t) / (
+        1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
 
 
 @_njit_cached
-def _kernel(xs, ts, offs, states, at, k, p):
+def _boundary(u, m1, m2, ne, q, pq):
+    """The surprise exceeded with probability ``q``: a generalised Pareto above ``u`` (which
+    ``z`` exceeds with probability ``1 - pq``) fitted to the excesses' moments, its shape
+    shrunk towards the heaviest allowed (0.45) with the weight of five excesses, so a young
+    key's tail is assumed heavy until it has shown otherwise; never below the Gaussian
+    quantile of ``q``."""
+    lg = math.log((1.0 - pq) / q)
+    xi = 0.0
+    sigma = m1
+    v = m2 - m1 * m1
+    if v > 0.0:
+        ratio = m1 * m1 / v
+        xi = 0.5 * (1.0 - ratio)
+        if xi > 1e-6:
+            sigma = 0.5 * m1 * (ratio + 1.0)
+        else:
+            xi = 0.0
+    # until the tail is known, the heaviest shape allowed weighs as five excesses
+    xi = (ne * (xi if xi < _MAX_SHAPE else _MAX_SHAPE) + _YOUNG_TAIL * _MAX_SHAPE) / (ne + _YOUNG_TAIL)
+    zs = u + sigma / xi * (math.exp(xi * lg) - 1.0)
+    # never a lighter tail than a Gaussian's: as far beyond u as its q-quantile is beyond its
+    # pq-quantile (u of a Gaussian surprise; a lattice of surprises has a degenerate fit)
+    zg = _gauss_quantile(q) / _gauss_quantile(1.0 - pq) * (u if u > _gauss_quantile(1.0 - pq) else _gauss_quantile(1.0 - pq))
+    return zs if zs > zg else zg
+
+
+@_njit_cached
+def _kernel(xs, ts, offs, states, at, hs, p):
     """The per-reading recursion and episode flags of every lane (``states[at[lane]]`` updated
     in place)."""
-    (thr, cooldown, warm, kf, ks, fq, kappa, a_l, a_m, a_f, a_b, a_s, period, g_s, g_sb, early_v,
-     c, q_dn, q_up, shift_m, accept, flat_min, flat_f, flat_dec, floor_rel, inv_margin,
-     inv_ms, inv_mf,
-     a_w, k_w, a_sh, k_sh, a_lo, k_lo, w_se, l_cap, a_ls, a_ll, k_l, k_t, wq_dn, wq_up,
-     k_fg, k_st, k_ct) = p
+    thr, budget, mem, pq, cooldown, warm, k_ct = p
     total = xs.size
+    ns = hs.size  # forecast scales
+    nm = ns + 1  # value models: the scales and the daily profile
+    nr = len(RUN_CLASSES)
+    o_f = 13  # after the 13 scalars: the row's arrays, in _ROW_ARRAYS order
+    o_e = o_f + ns
+    o_u = o_e + ns
+    o_m1 = o_u + nm
+    o_m2 = o_m1 + nm
+    o_ne = o_m2 + nm
+    o_r = o_ne + nm
+    o_d = o_r + nr
     scores = np.zeros(total)
     base_out = np.full(total, np.nan)
     lo_out = np.full(total, np.nan)
@@ -496,25 +423,20 @@ def _kernel(xs, ts, offs, states, at, k, p):
     model_out = np.zeros(total, dtype=np.int8)
     flags = np.zeros(total, dtype=np.bool_)
     n_out = np.zeros(total)
-    o_s = 30  # season, season_visits, bin_scale_fast, bin_scale_slow follow the 30 scalars
-    o_c, o_f, o_b = o_s + k, o_s + 2 * k, o_s + 3 * k
+    keep = 1.0 - 1.0 / mem  # per-reading decay of the run counts
+    up = pq / (1.0 - pq)  # the quantile tracker's step up, per step down
+    zj = np.zeros(nm)
+    zsj = np.zeros(nm)
+    fj = np.zeros(nm)
+    ej = np.zeros(nm)
     for lane in range(offs.size - 1):
         row = states[at[lane]]
-        n = row[1]
-        xl, lev, mid = row[2], row[3], row[4]
-        f_up, f_dn, t_up, t_dn = row[5], row[6], row[7], row[8]
-        bas, s_up, s_dn = row[9], row[10], row[11]
-        run, run_max = row[12], row[13]
-        since0 = row[14]
-        streak, sstreak = row[15], row[16]
+        n, xl, tl, since0 = row[1], row[2], row[3], row[4]
+        cnt = row[5] if k_ct > 0.0 else 0.0
+        dt, run, run_hot, starts, trials = row[6], row[7], row[8], row[9], row[10]
+        de, dn = row[11], row[12]
         m = 0  # valid readings so far in this lane (the episode counter's index)
         last_hot = -1
-        t_last = row[17]
-        w_m, w_v, sh_m, lo_m = row[18], row[19], row[20], row[21]
-        l_s, l_m, l_v = row[22], row[23], row[24]
-        wt_up, wt_dn = row[25], row[26]
-        st_up, st_dn = row[27], row[28]
-        cnt = row[29] if k_ct > 0.0 else 0.0
         for i in range(offs[lane], offs[lane + 1]):
             xv = xs[i]
             tv = ts[i]
@@ -526,206 +448,91 @@ def _kernel(xs, ts, offs, states, at, k, p):
                     # not a count: learn this key on the raw scale, from this reading on (still
                     # in its warm-up, so nothing was flagged from what is forgotten)
                     cnt = 0.0
-                    n = 0.0
-                    f_up = f_dn = t_up = t_dn = s_up = s_dn = 0.0
-                    run = run_max = streak = sstreak = 0.0
-                    l_s = l_m = l_v = 0.0
-                    wt_up = wt_dn = st_up = st_dn = 0.0
-                    for j in range(o_s, row.size):
+                    n = dt = run = run_hot = starts = trials = de = dn = 0.0
+                    for j in range(o_f, row.size):
                         row[j] = 0.0
                 else:
                     xv = _to_count_scale(xv)
-            u = (tv % period) / period * k - 0.5
-            fl = np.floor(u)
-            w1 = u - fl
-            b0 = np.int64(fl) % k
-            b1 = (b0 + 1) % k
-            w0 = 1.0 - w1
-            seas = w0 * row[o_s + b0] + w1 * row[o_s + b1]
             n_out[i] = n
-            t_last = tv
+            r = 0.0
             if n == 0.0:
-                lev = xv
-                mid = xv
-                bas = xv - seas
+                for j in range(ns):
+                    row[o_f + j] = xv
                 xl = xv
-                w_m = xv
-                w_v = 0.0
-                sh_m = xv
-                lo_m = xv
+                tl = tv
                 n = 1.0
                 base_out[i] = xs[i]
-                z = 0.0
             else:
-                sbf = w0 * row[o_f + b0] + w1 * row[o_f + b1]
-                sbs = w0 * row[o_b + b0] + w1 * row[o_b + b1]
-                fl_ = floor_rel * (1.0 + abs(xv))
-                learning = n >= warm
-                inv = 1.0 / (n + 1.0)
+                gap = tv - tl
+                if gap > 0.0:
+                    ag = 1.0 / n if 1.0 / n > 1.0 / mem else 1.0 / mem
+                    dt = gap if dt <= 0.0 else dt + ag * (gap - dt)
+                    tl = tv
+                # the budget per reading, shared by the models (Bonferroni) and the stuck test
+                q = budget * (dt if dt > 0.0 else 1.0) / 86400.0 / (nm + 1)
+                if q > 0.5 * (1.0 - pq):
+                    q = 0.5 * (1.0 - pq)
+                if q < 1e-15:
+                    q = 1e-15
+                floor = 1e-9 * (1.0 + abs(xv))
+                learnt = n >= warm
 
-                # -- fast model: reading vs robust level
-                rf = xv - lev
-                arf = abs(rf)
-                sf = sbf if sbf > fl_ else fl_
-                d_up = kf * (f_up if f_up > sf else sf)
-                d_dn = kf * (f_dn if f_dn > sf else sf)
-                e_up = fq * t_up
-                e_dn = fq * t_dn
-                if e_up > d_up:
-                    d_up = e_up
-                if e_dn > d_dn:
-                    d_dn = e_dn
-                zf = arf / (d_up if rf >= 0.0 else d_dn)
-                slow_floor = kappa * (d_up if d_up > d_dn else d_dn)
+                # each value model's forecast, typical error, surprise and boundary
+                for j in range(ns):
+                    fj[j] = row[o_f + j]
+                    ej[j] = row[o_e + j]
+                per_visit = 86400.0 / DAY_BINS / (dt if dt > 0.0 else 1.0)
+                b = o_d + np.int64((tv % 86400.0) / 86400.0 * DAY_BINS) % DAY_BINS
+                fj[ns] = row[b]
+                ej[ns] = de
+                # the daily profile speaks once this half hour of the day was seen whole and its
+                # typical error was learnt (as a tail is: from 16 readings)
+                daily = row[b + DAY_BINS] >= per_visit
+                models = nm if daily and dn >= _FIRST_LEARNT else ns
+                model = 0
+                for j in range(models):
+                    zj[j] = abs(xv - fj[j]) / (_SD * (ej[j] if ej[j] > floor else floor))
+                    zsj[j] = _boundary(row[o_u + j], row[o_m1 + j], row[o_m2 + j], row[o_ne + j],
+                                       q, pq)
+                    if zj[j] / zsj[j] > r:
+                        r = zj[j] / zsj[j]
+                        model = j + 1
+                if model == 0:
+                    model = 1
 
-                # level update (Huber), level-shift re-baselining
-                mf = 0.5 * (f_up + f_dn)
-                if mf < fl_:
-                    mf = fl_
-                if n <= 10.0:
-                    limf = arf
-                else:
-                    limf = c * (mf if mf > sbf else sbf)
-                rfc = rf if arf <= limf else (limf if rf > 0.0 else -limf)
-                base_f = lev
-                if zf >= 1.0:
-                    if rf > 0.0:
-                        streak = streak + 1.0 if streak > 0.0 else 1.0
-                    else:
-                        streak = streak - 1.0 if streak < 0.0 else -1.0
-                else:
-                    streak = 0.0
-                if shift_m != 0.0 and abs(streak) >= shift_m:
-                    bas += xv - lev
-                    lev = xv
-                    mid = xv
-                    streak = 0.0
-                else:
-                    lev += (a_l if a_l > inv else inv) * rfc
-                    rm = xv - mid
-                    rm = rm if abs(rm) <= limf else (limf if rm > 0.0 else -limf)
-                    mid += (a_m if a_m > inv else inv) * rm
+                # stuck: this reading repeats the last one. P(a run reaches k repeats): the
+                # chance of a repeat, times the share of finished runs that reached k (its
+                # length class), one run of prior mass spread as 0.5^(k - 1)
+                rep = xv == xl
+                if rep and trials > starts:  # a key that never changed is constant, not stuck
+                    p_rep = (starts + 0.5) / (trials + 1.0)
+                    k = run + 1.0
+                    cls = 0
+                    while cls + 1 < nr and 2.0 ** (cls + 1) <= k:
+                        cls += 1
+                    surv = (row[o_r + cls] + 0.5 ** (k - 1.0)) / (row[o_r] + 1.0)
+                    # beyond the longest class seen, a run goes on as a memoryless (geometric)
+                    # one that reaches that class as often as this key's runs did
+                    top = cls
+                    while top > 0 and row[o_r + top] < 1.0:
+                        top -= 1
+                    if 0 < top < cls:
+                        ext = (row[o_r + top] / (row[o_r] + 1.0)) ** (k / 2.0 ** top)
+                        if ext > surv:
+                            surv = ext
+                    rf = (math.log(p_rep) + math.log(surv)) / math.log(q)
+                    if rf > r:
+                        r = rf
+                        model = _FLAT
+                if model == _FLAT and r >= 1.0 and learnt:
+                    run_hot = 1.0
 
-                # -- slow model: smoother level vs baseline + time-of-day profile
-                base_s = bas + seas
-                rs = mid - base_s
-                ars = abs(rs)
-                ss = sbs if sbs > fl_ else fl_
-                ds_up = ks * (s_up if s_up > ss else ss)
-                ds_dn = ks * (s_dn if s_dn > ss else ss)
-                if slow_floor > ds_up:
-                    ds_up = slow_floor
-                if slow_floor > ds_dn:
-                    ds_dn = slow_floor
-                zsl = ars / (ds_up if rs >= 0.0 else ds_dn)
-
-                # -- flat line
-                if xv == xl:
-                    run += 1.0
+                if model == _FLAT:
+                    bo, lo, hi = xl, np.nan, np.nan
                 else:
-                    if run > 0.0:
-                        decayed = run_max * flat_dec ** run
-                        run_max = run if run > decayed else decayed
-                    run = 0.0
-                if run > 0.0 and mf > fl_:
-                    lim_run = flat_f * run_max * flat_dec ** run
-                    zfl = run / (lim_run if lim_run > flat_min else flat_min)
-                else:
-                    zfl = 0.0
-
-                # -- wide view: raw, short- and long-smoothed value vs a wide Gaussian
-                xw = xv - w_se * seas
-                sh_m += (a_sh if a_sh > inv else inv) * (xw - sh_m)
-                lo_m += (a_lo if a_lo > inv else inv) * (xw - lo_m)
-                sd_w = np.sqrt(w_v)
-                if sd_w < fl_:
-                    sd_w = fl_
-                dw = xw - w_m
-                zw = abs(dw) / (k_w * sd_w)  # ungated: what the likelihood view counts
-                # the fast view's gate: beyond this key's own tail of deviations (before update)
-                g_up = k_fg * wt_up
-                g_dn = k_fg * wt_dn
-                # gated: a deviation must also be unusual for this key's own tail (bursts)
-                w_up = k_w * sd_w
-                w_dn = w_up
-                if k_t * wt_up > w_up:
-                    w_up = k_t * wt_up
-                if k_t * wt_dn > w_dn:
-                    w_dn = k_t * wt_dn
-                if (wt_up if dw >= 0.0 else wt_dn) > 0.0:
-                    zwg = abs(dw) / (w_up if dw >= 0.0 else w_dn)
-                else:
-                    zwg = 0.0
-                dsh = sh_m - w_m
-                zsh = abs(dsh) / (k_sh * sd_w)
-                # gated: the short mean must also be unusual for its own tail (bursts)
-                s_lim = k_sh * sd_w
-                if k_st > 0.0:
-                    gs_ = st_up if dsh >= 0.0 else st_dn
-                    if gs_ > 0.0:
-                        if k_st * gs_ > s_lim:
-                            s_lim = k_st * gs_
-                            zsh = abs(dsh) / s_lim
-                    else:
-                        zsh = 0.0
-                    st_up = _tail(st_up, dsh, wq_up, wq_dn)
-                    st_dn = _tail(st_dn, -dsh, wq_up, wq_dn)
-                zlo = abs(lo_m - w_m) / (k_lo * sd_w)
-                aw = a_w if a_w > inv else inv
-                w_m += aw * dw
-                w_v = (1.0 - aw) * (w_v + aw * dw * dw)
-                wt_up = _tail(wt_up, dw, wq_up, wq_dn)
-                wt_dn = _tail(wt_dn, -dw, wq_up, wq_dn)
-
-                # the most surprised view explains the score: its code, expected value, range
-                z = zf * inv_margin
-                which = 1
-                f_lo = d_dn / inv_margin
-                f_hi = d_up / inv_margin
-                if k_fg > 0.0 and (g_up if rf >= 0.0 else g_dn) > 0.0:
-                    # a spike within this key's usual range (its bursts) is not one
-                    zg = arf / (g_up if rf >= 0.0 else g_dn)
-                    if zg < z:
-                        z = zg
-                    if g_up > f_hi:
-                        f_hi = g_up
-                    if g_dn > f_lo:
-                        f_lo = g_dn
-                bo, lo, hi = base_f, base_f - f_lo, base_f + f_hi
-                if zsl * inv_ms > z:
-                    z = zsl * inv_ms
-                    which = 2
-                    bo, lo, hi = base_s, base_s - ds_dn / inv_ms, base_s + ds_up / inv_ms
-                if zfl * inv_mf > z:
-                    z = zfl * inv_mf
-                    which = 3
-                wm0 = w_m - aw * dw + w_se * seas  # the wide mean before this reading
-                if zwg > z:
-                    z = zwg
-                    which = 4
-                    bo, lo, hi = wm0, wm0 - w_dn, wm0 + w_up
-                if zsh > z:
-                    z = zsh
-                    which = 5
-                    bo, lo, hi = wm0, wm0 - s_lim, wm0 + s_lim
-                if zlo > z:
-                    z = zlo
-                    which = 6
-                    bo, lo, hi = wm0, wm0 - k_lo * sd_w, wm0 + k_lo * sd_w
-                # -- likelihood: is this much surprise unusual for this key lately?
-                zin = z if z > zw else zw
-                l_s += (a_ls if a_ls > inv else inv) * ((zin if zin < l_cap else l_cap) - l_s)
-                sd_l = np.sqrt(l_v)
-                if sd_l < 1e-3:
-                    sd_l = 1e-3
-                zli = (l_s - l_m) / (k_l * sd_l)
-                dl = l_s - l_m
-                al = a_ll if a_ll > inv else inv
-                l_m += al * dl
-                l_v = (1.0 - al) * (l_v + al * dl * dl)
-                if zli > z:
-                    z = zli
-                    which = 7
+                    j = model - 1
+                    half = zsj[j] * _SD * (ej[j] if ej[j] > floor else floor)
+                    bo, lo, hi = fj[j], fj[j] - half, fj[j] + half
                 if cnt > 0.0:  # the expected value and range on the reading's own scale
                     bo = _from_count_scale(bo)
                     lo = _from_count_scale(lo)
@@ -733,81 +540,79 @@ def _kernel(xs, ts, offs, states, at, k, p):
                 base_out[i] = bo
                 lo_out[i] = lo
                 hi_out[i] = hi
-                model_out[i] = which
+                model_out[i] = model
 
-                # -- learning: fast scales (frozen while fast says anomalous), tail quantiles
-                if not (learning and zf >= 1.0):
-                    a = a_f if a_f > inv else inv
-                    if rf >= 0.0:
-                        lim = c * f_up if n > 10.0 else arf
-                        f_up += a * (2.0 * (arf if arf < lim else lim) - f_up)
-                        f_dn -= a * f_dn
-                    else:
-                        lim = c * f_dn if n > 10.0 else arf
-                        f_dn += a * (2.0 * (arf if arf < lim else lim) - f_dn)
-                        f_up -= a * f_up
-                t_up = _tail(t_up, rf, q_up, q_dn)
-                t_dn = _tail(t_dn, -rf, q_up, q_dn)
-
-                # slow baseline and scales
-                ms = 0.5 * (s_up + s_dn)
-                if ms < fl_:
-                    ms = fl_
-                lims = ars if n <= 10.0 else c * (ms if ms > sbs else sbs)
-                rsc = rs if ars <= lims else (lims if rs > 0.0 else -lims)
-                if zsl >= 1.0:
-                    if rs > 0.0:
-                        sstreak = sstreak + 1.0 if sstreak > 0.0 else 1.0
-                    else:
-                        sstreak = sstreak - 1.0 if sstreak < 0.0 else -1.0
-                elif sstreak > 0.0:  # a reading back inside only erodes the count: flicker
-                    sstreak -= 1.0  # near the boundary does not restart it
-                elif sstreak < 0.0:
-                    sstreak += 1.0
-                if accept != 0.0 and abs(sstreak) >= accept:
-                    bas = mid - seas  # a lasting deviation becomes the new normal
-                    sstreak = 0.0
+                # -- learning: errors clip at their model's boundary; each tail learns the
+                # readings its model is calm on (SPOT)
+                a = 1.0 / n if 1.0 / n > 1.0 / mem else 1.0 / mem
+                for j in range(ns):
+                    e = abs(xv - fj[j])
+                    lim = zsj[j] * _SD * ej[j]
+                    if learnt and ej[j] > floor and e > lim:
+                        e = lim
+                    row[o_e + j] = ej[j] + a * (e - ej[j])
+                    af = 1.0 / (n + 1.0) if n + 1.0 < hs[j] else 1.0 / hs[j]
+                    row[o_f + j] += af * (xv - fj[j])
+                if daily:
+                    e = abs(xv - fj[ns])
+                    lim = zsj[ns] * _SD * de
+                    if learnt and models == nm and de > floor and e > lim:
+                        e = lim
+                    dn += 1.0
+                    de += (1.0 / dn if dn < mem else 1.0 / mem) * (e - de)
+                seen = row[b + DAY_BINS] + 1.0
+                row[b + DAY_BINS] = seen
+                ad = 1.0 / (PROFILE_DAYS * per_visit)
+                row[b] += (1.0 / seen if 1.0 / seen > ad else ad) * (xv - row[b])
+                if n >= _FIRST_LEARNT:
+                    g = 1.0 / (n + 50.0) if n + 50.0 < mem else 1.0 / mem
+                    for j in range(models):
+                        z = zj[j]
+                        if learnt and z >= zsj[j]:
+                            continue
+                        u = row[o_u + j]
+                        if u <= 0.0:
+                            u = z
+                        elif z > u:
+                            grown = u * math.exp(g * up)
+                            u = grown if grown < z else z
+                        else:
+                            u *= math.exp(-g)
+                        row[o_u + j] = u
+                        if z > u:
+                            y = z - u
+                            ne = row[o_ne + j] + 1.0
+                            row[o_ne + j] = ne
+                            ae = 1.0 / ne if 1.0 / ne > 1.0 / mem else 1.0 / mem
+                            row[o_m1 + j] += ae * (y - row[o_m1 + j])
+                            row[o_m2 + j] += ae * (y * y - row[o_m2 + j])
+                # runs: a repeat counts once per reading outside a run; a finished run is learnt
+                # in its length classes unless it was flagged
+                starts *= keep
+                trials *= keep
+                for j in range(nr):
+                    row[o_r + j] *= keep
+                if rep:
+                    if run == 0.0:
+                        starts += 1.0
+                        trials += 1.0
+                    run += 1.0
                 else:
-                    bas += (a_b if a_b > inv else inv) * rsc
-                if not (learning and zsl >= 1.0):
-                    a = a_s if a_s > inv else inv
-                    if rs >= 0.0:
-                        lim = c * s_up if n > 10.0 else ars
-                        s_up += a * (2.0 * (ars if ars < lim else lim) - s_up)
-                        s_dn -= a * s_dn
-                    else:
-                        lim = c * s_dn if n > 10.0 else ars
-                        s_dn += a * (2.0 * (ars if ars < lim else lim) - s_dn)
-                        s_up -= a * s_up
-
-                # time-of-day bins (both neighbours, by interpolation weight)
-                for b, wb in ((b0, w0), (b1, w1)):
-                    if wb > 0.0:
-                        cb = row[o_c + b] + wb
-                        row[o_c + b] = cb
-                        r = wb / cb
-                        early = cb <= early_v
-                        row[o_s + b] += (g_s if g_s > r else r) * wb * (rs if early else rsc)
-                        gs = (g_sb if g_sb > r else r) * wb
-                        v = row[o_f + b]
-                        if not early:
-                            lim = c * (mf if mf > v else v)
-                            row[o_f + b] = v + gs * ((arf if arf < lim else lim) - v)
-                        else:
-                            row[o_f + b] = v + gs * (arf - v)
-                        v = row[o_b + b]
-                        if not early:
-                            lim = c * (ms if ms > v else v)
-                            row[o_b + b] = v + gs * ((ars if ars < lim else lim) - v)
-                        else:
-                            row[o_b + b] = v + gs * (ars - v)
-
+                    if run > 0.0 and run_hot == 0.0:
+                        for j in range(nr):
+                            if 2.0 ** j <= run:
+                                row[o_r + j] += 1.0
+                    if run == 0.0:
+                        trials += 1.0
+                    run = 0.0
+                    run_hot = 0.0
                 xl = xv
                 n += 1.0
 
-            # score and episode flag: a hot reading after ``cooldown`` non-hot ones
-            zz = z * z
-            sc = zz / (1.0 + zz)
+            # score and episode flag: a hot reading after ``cooldown`` non-hot ones; no score
+            # before the warm-up is learnt (the status rules read scores too)
+            rr = r * r
+            sc = rr / (1.0 + rr) if n_out[i] >= warm else 0.0
             scores[i] = sc
             if sc >= thr:
                 prev = since0 + m if last_hot < 0 else float(m - last_hot - 1)
@@ -816,19 +621,11 @@ def _kernel(xs, ts, offs, states, at, k, p):
             m += 1
 
         if m:
-            row[1] = n
-            row[2], row[3], row[4] = xl, lev, mid
-            row[5], row[6], row[7], row[8] = f_up, f_dn, t_up, t_dn
-            row[9], row[10], row[11] = bas, s_up, s_dn
-            row[12], row[13] = run, run_max
-            row[14] = float(m - 1 - last_hot) if last_hot >= 0 else since0 + m
-            row[15], row[16] = streak, sstreak
-            row[17] = t_last
-            row[18], row[19], row[20], row[21] = w_m, w_v, sh_m, lo_m
-            row[22], row[23], row[24] = l_s, l_m, l_v
-            row[25], row[26] = wt_up, wt_dn
-            row[27], row[28] = st_up, st_dn
-            row[29] = cnt if k_ct > 0.0 else row[29]
+            row[1], row[2], row[3] = n, xl, tl
+            row[4] = float(m - 1 - last_hot) if last_hot >= 0 else min(since0 + m, _SINCE_MAX)
+            row[5] = cnt if k_ct > 0.0 else row[5]
+            row[6], row[7], row[8], row[9], row[10] = dt, run, run_hot, starts, trials
+            row[11], row[12] = de, dn
     return scores, base_out, flags, n_out, model_out, lo_out, hi_out
 
 

@@ -144,7 +144,7 @@ def build_lakehouse(settings: Settings, devices: int = 50, hours: int = 2, seed:
         SELECT l.event_id, l.device_id, l.event_time, l.metric, l.value,
                abs(l.value - b.baseline) / greatest(b.sd, 1e-9) AS score, b.baseline,
                abs(l.value - b.baseline) / greatest(b.sd, 1e-9) > {THRESHOLD} AS is_anomaly,
-               'wide' AS anomaly_model, b.baseline - {THRESHOLD} * b.sd AS expected_low,
+               'mean_1024' AS anomaly_model, b.baseline - {THRESHOLD} * b.sd AS expected_low,
                b.baseline + {THRESHOLD} * b.sd AS expected_high
         FROM l JOIN b USING (device_id, metric) ORDER BY l.event_time, l.device_id, l.metric
     """).to_arrow_table()

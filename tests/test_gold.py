@@ -96,20 +96,20 @@ def test_offline_from_other_devices_event_time_then_back_online(spark, gold_sett
 def test_degraded_on_low_battery_and_anomaly_flags_survive_restart(spark, gold_settings) -> None:
     s = gold_settings
     rng = np.random.default_rng(3)
-    n = 400
+    n = 800  # the detector learns 500 readings before it flags
     temps = 21 + rng.normal(0, 0.2, n)
-    temps[300] = 45.0  # an injected spike
+    temps[700] = 45.0  # an injected spike
     rows = [reading("dev-00003", T0 + timedelta(seconds=15 * i), temp=float(temps[i])) for i in range(n)]
-    append_silver(s, rows[:250])
+    append_silver(s, rows[:650])
     run_health(spark, s)  # stream stops here: detector state must carry over the restart
-    append_silver(s, rows[250:])
+    append_silver(s, rows[650:])
     # the battery low from then on: degraded once it held 3 readings and 60 s (the 5th, at 60 s)
     low = [reading("dev-00003", T0 + timedelta(seconds=15 * (n + j)), battery=5.0) for j in range(5)]
     append_silver(s, low)
     run_health(spark, s)
     an = DeltaTable(s.table_path("anomalies")).to_pandas()
     temp_flags = an[an.metric == "temperature"]
-    assert list(temp_flags.event_id) == [rows[300]["event_id"]]
+    assert list(temp_flags.event_id) == [rows[700]["event_id"]]
     scored = DeltaTable(s.table_path("readings_scored")).to_pandas()
     assert len(scored) == (n + 5) * 3 and scored.event_id.nunique() == n + 5
     assert scored.score.between(0, 1).all()
@@ -423,16 +423,16 @@ def comparable(t: pa.Table) -> pa.Table:
 
 def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings) -> None:
     rng = np.random.default_rng(5)
-    temps = 21 + rng.normal(0, 0.2, 200)
-    temps[150] = 45.0  # a spike
+    temps = 21 + rng.normal(0, 0.2, 700)
+    temps[650] = 45.0  # a spike, after the detector's 500 readings of learning
     commits = [
         [reading(d, T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100)
          for d in ("dev-1", "dev-2")],
         # dev-2 falls silent (offline); dev-1 goes on, its battery low at the end: degraded
         # once that held (3 readings, 60 s), across a restart
-        [reading("dev-1", T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100, 200)],
-        [reading("dev-1", T0 + timedelta(seconds=2000 + 20 * i), battery=5.0) for i in range(2)],
-        [reading("dev-1", T0 + timedelta(seconds=2000 + 20 * i), battery=5.0) for i in range(2, 4)],
+        [reading("dev-1", T0 + timedelta(seconds=10 * i), temp=float(temps[i])) for i in range(100, 700)],
+        [reading("dev-1", T0 + timedelta(seconds=7000 + 20 * i), battery=5.0) for i in range(2)],
+        [reading("dev-1", T0 + timedelta(seconds=7000 + 20 * i), battery=5.0) for i in range(2, 4)],
     ]
     runs = {}
     for mode in ("driver", "state_store"):
@@ -444,12 +444,14 @@ def test_both_device_state_modes_write_the_same_gold_tables(spark, gold_settings
                       for t in ("readings_scored", "anomalies", "device_status_history", "device_current")}
     assert runs["driver"] == runs["state_store"]
     got = runs["driver"]
-    assert got["readings_scored"].num_rows == 304 * 3
-    assert commits[1][50]["event_id"] in got["anomalies"].column("event_id").to_pylist()
-    # the spike's one anomalous reading changes no status
+    assert got["readings_scored"].num_rows == 804 * 3
+    assert commits[1][550]["event_id"] in got["anomalies"].column("event_id").to_pylist()
+    # the spike's one anomalous reading changes no status; the battery's fall from 80 to 5 is
+    # both low and anomalous
     assert [(r["device_id"], r["status"], r["reason"], r["changed_at"])
             for r in got["device_status_history"].to_pylist()] == [
-        ("dev-1", "online", "data", T0), ("dev-1", "degraded", "battery_low", T0 + timedelta(seconds=2060)),
+        ("dev-1", "online", "data", T0),
+        ("dev-1", "degraded", "battery_low,anomaly", T0 + timedelta(seconds=7060)),
         ("dev-2", "online", "data", T0), ("dev-2", "offline", "no_data", T0 + timedelta(seconds=990 + 120))]
 
     s = with_state(gold_settings, "state_store", "driver")  # a checkpoint keeps its mode
