@@ -373,13 +373,13 @@ def _gauss_quantile(q):
 
 
 @_njit_cached
-def _boundary(u, m1, m2, ne, q, pq):
+def _boundary(u, m1, m2, ne, lg, zq, z98):
     """The surprise exceeded with probability ``q``: a generalised Pareto above ``u`` (which
     ``z`` exceeds with probability ``1 - pq``) fitted to the excesses' moments, its shape
     shrunk towards the heaviest allowed (0.45) with the weight of five excesses, so a young
     key's tail is assumed heavy until it has shown otherwise; never below the Gaussian
-    quantile of ``q``."""
-    lg = math.log((1.0 - pq) / q)
+    quantile of ``q``. ``lg``: log((1 - pq) / q); ``zq``, ``z98``: the Gaussian quantiles of
+    ``q`` and ``1 - pq`` (per reading and per call: the same for every model)."""
     xi = 0.0
     sigma = m1
     v = m2 - m1 * m1
@@ -395,7 +395,7 @@ def _boundary(u, m1, m2, ne, q, pq):
     zs = u + sigma / xi * (math.exp(xi * lg) - 1.0)
     # never a lighter tail than a Gaussian's: as far beyond u as its q-quantile is beyond its
     # pq-quantile (u of a Gaussian surprise; a lattice of surprises has a degenerate fit)
-    zg = _gauss_quantile(q) / _gauss_quantile(1.0 - pq) * (u if u > _gauss_quantile(1.0 - pq) else _gauss_quantile(1.0 - pq))
+    zg = zq / z98 * (u if u > z98 else z98)
     return zs if zs > zg else zg
 
 
@@ -425,6 +425,7 @@ def _kernel(xs, ts, offs, states, at, hs, p):
     n_out = np.zeros(total)
     keep = 1.0 - 1.0 / mem  # per-reading decay of the run counts
     up = pq / (1.0 - pq)  # the quantile tracker's step up, per step down
+    z98 = _gauss_quantile(1.0 - pq)
     zj = np.zeros(nm)
     zsj = np.zeros(nm)
     fj = np.zeros(nm)
@@ -474,6 +475,8 @@ def _kernel(xs, ts, offs, states, at, hs, p):
                     q = 0.5 * (1.0 - pq)
                 if q < 1e-15:
                     q = 1e-15
+                lg = math.log((1.0 - pq) / q)
+                zq = _gauss_quantile(q)
                 floor = 1e-9 * (1.0 + abs(xv))
                 learnt = n >= warm
 
@@ -493,7 +496,7 @@ def _kernel(xs, ts, offs, states, at, hs, p):
                 for j in range(models):
                     zj[j] = abs(xv - fj[j]) / (_SD * (ej[j] if ej[j] > floor else floor))
                     zsj[j] = _boundary(row[o_u + j], row[o_m1 + j], row[o_m2 + j], row[o_ne + j],
-                                       q, pq)
+                                       lg, zq, z98)
                     if zj[j] / zsj[j] > r:
                         r = zj[j] / zsj[j]
                         model = j + 1

@@ -817,7 +817,10 @@ class Settings(BaseSettings):
         return copy
 
     def table_path(self, name: str, generation: str | None = None) -> str:
-        return self.layout.table_path(name, generation)
+        try:
+            return self.layout.table_path(name, generation)
+        except ValueError as e:  # a name that is not a table's: the settings' error, as before
+            raise SettingsError(str(e)) from None
 
     def checkpoint_path(self, query: str, generation: str | None = None) -> str:
         return self.layout.checkpoint_path(query, generation)
