@@ -6,7 +6,8 @@ series in one call or in any split into micro-batches gives bit-identical result
 
 **Method: forecasts judged against their own tails, at an alarm budget per day.** Each part is
 a published idea with its published setting, or a stated principle (:data:`DESIGN_CHOICES`);
-none was set by a score on labelled data (docs/anomaly.md keeps the evidence).
+none was set by a NAB score, one (the young tail's weight) on synthetic series (docs/anomaly.md
+keeps the evidence).
 
 1. **Seven forecasts.** Exponential smoothing (Brown 1956) at six time scales: the previous
    reading and the mean of about the last 4, 16, 64, 256 and 1,024 readings (:data:`SCALES`,
@@ -24,9 +25,9 @@ none was set by a score on labelled data (docs/anomaly.md keeps the evidence).
    fitted to the excesses by moments gives the surprise exceeded with probability ``q``; the
    readings a forecast calls anomalous are not learnt by its tail (SPOT's rule). The shape is
    kept in [0, 0.45]: never a bounded tail, finite variance; a young key's is assumed heavy
-   (weighing as five excesses, half the warm-up's) until its excesses show otherwise; and the boundary is never
-   nearer the tail quantile than a Gaussian's would be (a lattice of surprises, as from
-   integer readings, fits a degenerate tail).
+   (weighing as five excesses, half the warm-up's) until its excesses show otherwise; and the
+   boundary is never nearer the tail quantile than a Gaussian's would be (a lattice of
+   surprises, as from integer readings, fits a degenerate tail).
 4. **An alarm budget in time**: ``false_alarms_per_day`` per key (0.1: one per device-day at
    ten metrics), shared by the seven forecasts and the stuck test (Bonferroni:
    ``q = budget x interval / 1 day / 8``), the interval between readings learnt from the event
@@ -92,14 +93,15 @@ _MAX_SHAPE, _YOUNG_TAIL, _FIRST_LEARNT = 0.45, 5.0, 16.0
 _SINCE_MAX = 1e15
 
 #: Every value the method fixes beside :class:`DetectorConfig`, with the principle that set it
-#: (none was set by a score on labelled data); ``bench/anomaly_quality.py`` counts them.
+#: (none by a NAB score); ``bench/anomaly_quality.py`` counts them.
 DESIGN_CHOICES: dict[str, tuple[float, str]] = {
     "scale_factor": (4, "forecast scales in powers of 4: scale-free, six cover 1 to ~1,000 readings"),
     "scales": (len(SCALES), "from the previous reading to ~3.5 days at 5-minute readings"),
     "day_bins": (DAY_BINS, "the daily profile's resolution: half an hour"),
     "profile_days": (PROFILE_DAYS, "the profile remembers a week: weekdays and weekends alike"),
     "max_shape": (_MAX_SHAPE, "a generalised Pareto tail with finite variance (shape < 0.5)"),
-    "young_tail_weight": (_YOUNG_TAIL, "a new key's tail is assumed heavy, weighing as five excesses: half the warm-up's ten"),
+    "young_tail_weight": (_YOUNG_TAIL, "a new key's tail is assumed heavy, weighing as five excesses "
+                                       "(half the warm-up's ten; chosen on synthetic series)"),
     "first_learnt": (_FIRST_LEARNT, "a tail or the daily model's error is learnt from 16 readings on"),
 }
 

@@ -65,10 +65,15 @@ from gold.scoring import (
     time_out_received,
 )
 from gold.ticks import LiveStarts, TickTimer, batch_time_ms
-from lakehouse.delta import txn as delta_txn
 from lakehouse.delta.concurrent_writes import run_at_once
 from lakehouse.delta.read import open_table
-from lakehouse.delta.tables import append_table, retry_conflicts, upsert
+from lakehouse.delta.tables import (
+    WHOLE_REWRITE_MAX_BYTES,
+    append_table,
+    can_replace_whole,
+    replace_whole,
+    upsert,
+)
 from lakehouse.monitoring import observers
 from lakehouse.monitoring.metrics import note_batch
 from lakehouse.settings import Settings
@@ -141,7 +146,7 @@ class DeviceStateStore:
 
 class CurrentTable:
     """``device_current`` as the driver last committed it. A batch's changed devices replace
-    their rows and the table is rewritten whole from here (``delta_txn.replace_table``): no
+    their rows and the table is rewritten whole from here (``delta_tables.replace_whole``): no
     read of the table and no join per batch. Another version than the one written last (a
     compaction, a replayed batch, a restart): the batch's rows are upserted into the table
     instead, which is read again before the next rewrite. On object storage, or once the table
@@ -151,23 +156,19 @@ class CurrentTable:
         self.path, self.schema, self.app_id = path, schema, app_id
         self.rows: pa.Table | None = None
         self.version: int | None = None
-        self.rewrite = delta_txn.local_table(path)
+        self.rewrite = can_replace_whole(path)
 
     def write(self, spark: SparkSession, changed: pa.Table, batch_id: int) -> None:
         if self.rewrite and self.rows is None:
             table = open_table(self.path)
             self.version = table.version()
             self.rows = table.to_pyarrow_table(columns=self.schema.names).cast(self.schema)
-            self.rewrite = self.rows.nbytes <= delta_txn.WHOLE_REWRITE_MAX_BYTES
+            self.rewrite = self.rows.nbytes <= WHOLE_REWRITE_MAX_BYTES
         version = None
         if self.rewrite:
             keep = pc.invert(pc.is_in(self.rows.column("device_id"), value_set=changed.column("device_id")))
             rows = pa.concat_tables([self.rows.filter(keep), changed])
-            try:
-                version = retry_conflicts(lambda: delta_txn.replace_table(
-                    spark, rows, self.path, self.app_id, batch_id, self.version), f"rewrite of {self.path}")
-            except delta_txn.SlowPath:
-                pass
+            version = replace_whole(spark, rows, self.path, self.app_id, batch_id, self.version)
         if version is None:
             upsert(arrow_frame(spark, changed), self.path, ["device_id"], self.app_id, batch_id)
         self.rows, self.version = (rows, version) if version is not None else (None, None)

@@ -70,10 +70,19 @@ def test_replay_without_a_checksum_file_uses_deltas_own_lookup(spark, table: str
     assert spark.read.format("delta").load(table).count() == 5
 
 
+def _fallbacks(write: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("iotlake_delta_fallback_writes_total", {"write": write}) or 0.0
+
+
 def test_schema_changes_take_the_writer_path(spark, table: str) -> None:
+    """A write the fast path does not take goes through Delta's own command, counted."""
     wider = rows(spark, 0).selectExpr("*", "1.5 as extra")
+    before = _fallbacks("append")
     with pytest.raises(Exception, match="(?i)schema mismatch"):
         delta_tables.append(wider, table, "app", 0)
+    assert _fallbacks("append") == before + 1
     delta_tables.append(wider, table, "app", 0, schema_evolution=True)
     assert "extra" in spark.read.format("delta").load(table).columns
     narrower_type = rows(spark, 10).selectExpr("cast(id as int) as id", "s", "ts")

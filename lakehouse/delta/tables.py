@@ -1,5 +1,12 @@
 """Creating and writing Delta tables with delta-spark, exactly once per streaming micro-batch.
 
+The one place tables are written: ``append`` (a DataFrame), ``append_table`` (an Arrow table
+the driver holds), ``upsert``, ``upsert_recent`` and ``replace_whole``. Each takes a fast path
+where it applies (``lakehouse.delta.txn``: Delta's transaction API without the log replay of
+its commands; the non-public Delta classes it calls are listed there) and Delta's own command
+otherwise. A write that falls back is counted (``iotlake_delta_fallback_writes_total``, by
+write) and logged once per table and write.
+
 A ``foreachBatch`` function that writes several tables passes the streaming query's id and the
 batch id to every write: writes through Delta's transaction API (``delta_txn``: appends, and
 upserts of tables whose checksum lists their files) commit them as a ``SetTransaction``, the
@@ -23,6 +30,7 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 import pyarrow as pa
+from prometheus_client import Counter
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
@@ -36,6 +44,12 @@ from lakehouse.tables import STATS_COLUMNS_PROPERTY, column_properties, time_par
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: A table at most this large is rewritten whole by ``replace_whole`` (from ``delta_txn``).
+WHOLE_REWRITE_MAX_BYTES = delta_txn.WHOLE_REWRITE_MAX_BYTES
+FALLBACKS = Counter("iotlake_delta_fallback_writes",
+                    "writes that took Delta's own command because the fast path did not apply", ["write"])
+_fell_back: set[tuple[str, str]] = set()  # (write, path) already logged
 
 #: Properties every iotlake table is created with (readers without a JVM read them all).
 TABLE_PROPERTIES = {
@@ -129,7 +143,7 @@ def append(df: DataFrame, path: str, app_id: str, batch_id: int, schema_evolutio
     A plain append (no schema change) commits through Delta's transaction API
     (``delta_txn.append_once``); anything else through the DataFrame writer."""
     if not schema_evolution and _committed(lambda: delta_txn.append_once(df, path, app_id, batch_id),
-                                           f"append to {path}"):
+                                           "append", path):
         return
     w = (df.write.format("delta").mode("append")
          .option("txnAppId", app_id).option("txnVersion", str(batch_id)))
@@ -143,7 +157,7 @@ def append_table(spark: SparkSession, table: pa.Table, path: str, app_id: str, b
     Delta's transaction where the table allows (``delta_txn.append_table``), else through
     ``append``."""
     if _committed(lambda: delta_txn.append_table(spark, table, path, app_id, batch_id),
-                  f"append to {path}"):
+                  "append_table", path):
         return
     append(arrow_frame(spark, table), path, app_id, batch_id)
 
@@ -164,7 +178,7 @@ def upsert(df: DataFrame, path: str, keys: Sequence[str], app_id: str, batch_id:
     from delta.tables import DeltaTable
 
     if when_newer is None and within is None and _committed(
-            lambda: delta_txn.upsert_whole(df, path, keys, app_id, batch_id), f"upsert into {path}"):
+            lambda: delta_txn.upsert_whole(df, path, keys, app_id, batch_id), "upsert", path):
         return
 
     on = " AND ".join(f"t.`{k}` <=> s.`{k}`" for k in keys)
@@ -202,7 +216,7 @@ def upsert_recent(df: DataFrame, path: str, keys: Sequence[str], column: str, si
     that may hold rows at or after ``since`` are rewritten that way at once, in two Spark jobs:
     a small MERGE's log replay and joins cost more than rewriting a few small files."""
     if _committed(lambda: delta_txn.replace_recent(df, path, keys, column, _aware(since), app_id,
-                                                   batch_id, rows_per_file), f"upsert into {path}"):
+                                                   batch_id, rows_per_file), "upsert_recent", path):
         return
     table_rs = open_table(path)
     recent = _recent_files(table_rs, column, since)
@@ -270,13 +284,38 @@ def with_txn(spark: SparkSession, app_id: str, batch_id: int, fn: Callable[[], T
         return fn()
 
 
-def _committed(write: Callable[[], None], what: str) -> bool:
+def replace_whole(spark: SparkSession, table: pa.Table, path: str, app_id: str, batch_id: int,
+                  version: int) -> int | None:
+    """Replace every row of the table at ``path`` with ``table`` (an Arrow table the driver
+    holds) in one commit, exactly once per (``app_id``, ``batch_id``), if the table is still at
+    ``version``, local and at most ``WHOLE_REWRITE_MAX_BYTES``: the version written. None where
+    that does not apply, for the caller to ``upsert`` instead."""
+    if not can_replace_whole(path):
+        return None
+    out: list[int] = []
+    if _committed(lambda: out.append(delta_txn.replace_table(spark, table, path, app_id, batch_id, version)),
+                  "replace_whole", path):
+        return out[-1]
+    return None
+
+
+def can_replace_whole(path: str) -> bool:
+    """Whether ``replace_whole`` may apply to the table at ``path`` (a local one)."""
+    return delta_txn.local_table(path)
+
+
+def _committed(write: Callable[[], object], what: str, path: str) -> bool:
     """Run a ``delta_txn`` write (conflicts retried); False if it does not apply
-    (``SlowPath``), for the caller to write through Delta's commands instead."""
+    (``SlowPath``), for the caller to write through Delta's commands instead: counted, and
+    logged once per table and write."""
     try:
-        retry_conflicts(write, what)
+        retry_conflicts(write, f"{what} {path}")
         return True
     except delta_txn.SlowPath:
+        FALLBACKS.labels(what).inc()
+        if (what, path) not in _fell_back:
+            _fell_back.add((what, path))
+            log.info("%s %s: through Delta's own command (the fast path does not apply)", what, path)
         return False
 
 

@@ -11,6 +11,16 @@ and committed the same way (``append_table``, ``replace_table``).
 
 Each function raises ``SlowPath`` where it does not apply (the caller then uses Delta's own
 command), and turns itself off for the process if Delta's API differs from delta-spark 4.4's.
+Callers go through ``lakehouse.delta.tables``, the one module that writes tables.
+
+This module is the only one that calls Delta's non-public classes, over py4j (each covered by
+``tests/test_delta_tables.py`` against the pinned delta-spark): ``DeltaLog.forTable`` and
+``startTransaction`` (an ``OptimisticTransaction``: ``metadata``, ``protocol``, ``snapshot``,
+``txnVersion``, ``writeFiles``, ``readWholeTable``, ``registerSQLMetrics``, ``deltaLog``,
+``commit``); a snapshot's ``checksumOpt`` (``allFiles``, ``setTransactions``,
+``tableSizeBytes``) and ``version``; ``DeltaLog.createDataFrame``; ``actions.Action.fromJson``,
+``actions.SetTransaction`` and an ``AddFile``'s ``remove``; ``DeltaOperations.Write``; Spark's
+``SQLMetrics.createMetric``.
 """
 
 from __future__ import annotations
