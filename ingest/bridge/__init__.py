@@ -19,7 +19,6 @@ import gc
 import json
 import logging
 import select
-import sys
 import threading
 import time
 import zlib
@@ -705,9 +704,3 @@ def tuned_gc() -> Iterator[None]:
     finally:  # frozen objects are never freed: extension modules would report leaks at exit
         gc.set_threshold(*before)
         gc.unfreeze()
-
-
-if __name__ == "__main__":  # ``python -m ingest.bridge``: its arguments are the CLI's
-    from ingest.cli import bridge_main
-
-    sys.exit(bridge_main())
