@@ -65,6 +65,8 @@ IN_PROCESS = {
                                     *(f"{layout}.{k}" for layout in ("compact", "zorder", "liquid")
                                       for k in ("files_after", "aggregate", "lookup"))),
                            finite=tuple(f"{layout}.optimize_s" for layout in ("compact", "zorder", "liquid"))),
+    "delta_append": Headline(nonzero=("partitioned.iotlake_ms_p50", "plain.iotlake_ms_p50", "plain.delta_rs_ms_p50",
+                                      "plain.ratio")),
     "delta_log_length": Headline(nonzero=tuple(f"{k}_{n}" for n in (0, 2000)
                                                for k in ("append_ms", "delta_rs_open_ms", "delta_rs_update_ms"))),
     "gold_throughput": Headline(nonzero=("rows_per_s", "rows_per_cpu_s", "windows_rows_per_s",
