@@ -82,7 +82,6 @@ SCALES: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
 
 #: ``model`` codes of ``score_lanes(..., explain=True)``: the model that explains a score.
 MODELS: tuple[str, ...] = ("none", "previous", *(f"mean_{h}" for h in SCALES[1:]), "daily", "flat")
-_DAILY = len(MODELS) - 2
 _FLAT = len(MODELS) - 1
 #: The daily profile's bins (half an hour each) and how many days it remembers (a week: weekdays
 #: and weekends alike).
