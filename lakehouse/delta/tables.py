@@ -49,7 +49,7 @@ T = TypeVar("T")
 WHOLE_REWRITE_MAX_BYTES = delta_txn.WHOLE_REWRITE_MAX_BYTES
 FALLBACKS = Counter("iotlake_delta_fallback_writes",
                     "writes that took Delta's own command because the fast path did not apply", ["write"])
-_fell_back: set[tuple[str, str]] = set()  # (write, path) already logged
+_logged: set[tuple[str, str]] = set()  # (write, path) whose fallback was logged
 
 #: Properties every iotlake table is created with (readers without a JVM read them all).
 TABLE_PROPERTIES = {
@@ -289,14 +289,13 @@ def replace_whole(spark: SparkSession, table: pa.Table, path: str, app_id: str, 
     """Replace every row of the table at ``path`` with ``table`` (an Arrow table the driver
     holds) in one commit, exactly once per (``app_id``, ``batch_id``), if the table is still at
     ``version``, local and at most ``WHOLE_REWRITE_MAX_BYTES``: the version written. None where
-    that does not apply, for the caller to ``upsert`` instead."""
-    if not can_replace_whole(path):
+    that does not apply (or the batch is committed already), for the caller to ``upsert``."""
+    try:
+        return retry_conflicts(lambda: delta_txn.replace_table(spark, table, path, app_id, batch_id, version),
+                               f"replace_whole {path}")
+    except delta_txn.SlowPath:
+        _fell_back("replace_whole", path)
         return None
-    out: list[int] = []
-    if _committed(lambda: out.append(delta_txn.replace_table(spark, table, path, app_id, batch_id, version)),
-                  "replace_whole", path):
-        return out[-1]
-    return None
 
 
 def can_replace_whole(path: str) -> bool:
@@ -304,19 +303,23 @@ def can_replace_whole(path: str) -> bool:
     return delta_txn.local_table(path)
 
 
-def _committed(write: Callable[[], object], what: str, path: str) -> bool:
+def _committed(write: Callable[[], None], what: str, path: str) -> bool:
     """Run a ``delta_txn`` write (conflicts retried); False if it does not apply
-    (``SlowPath``), for the caller to write through Delta's commands instead: counted, and
-    logged once per table and write."""
+    (``SlowPath``), for the caller to write through Delta's commands instead."""
     try:
         retry_conflicts(write, f"{what} {path}")
         return True
     except delta_txn.SlowPath:
-        FALLBACKS.labels(what).inc()
-        if (what, path) not in _fell_back:
-            _fell_back.add((what, path))
-            log.info("%s %s: through Delta's own command (the fast path does not apply)", what, path)
+        _fell_back(what, path)
         return False
+
+
+def _fell_back(what: str, path: str) -> None:
+    """A write that takes Delta's own command: counted, and logged once per table and write."""
+    FALLBACKS.labels(what).inc()
+    if (what, path) not in _logged:
+        _logged.add((what, path))
+        log.info("%s %s: through Delta's own command (the fast path does not apply)", what, path)
 
 
 def retry_conflicts(fn: Callable[[], T], what: str, attempts: int = 20) -> T:
